@@ -1,0 +1,20 @@
+"""Test-wide setup: 8 simulated CPU devices and a persistent compilation cache, set before JAX is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_CACHE = os.environ.setdefault(
+    "TLT_JAX_COMPILATION_CACHE", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache")
+)
+
+import jax  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+from absl import flags  # noqa: E402
+
+# grain reads absl flags in worker processes; pytest never parses them.
+flags.FLAGS.mark_as_parsed()
