@@ -1,0 +1,49 @@
+"""Prompt construction (chat template supplied by the model package, or plain text) and prompt-length filtering."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+__all__ = ["DEFAULT_INSTRUCTION", "PromptFormatter", "filter_by_prompt_length"]
+
+DEFAULT_INSTRUCTION = (
+    "Solve the math problem step by step. "
+    "At the end, write the final answer as a single number on its own line after '####', e.g. '#### 42'."
+)
+
+ChatTemplate = Callable[[list[dict]], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptFormatter:
+    """Turns a question into prompt text.
+
+    With ``chat_template`` (e.g. the model's ``apply_chat_template(messages) -> str``, which should add the
+    generation prompt) the instruction goes in a system message, or is prepended to the user message when
+    ``use_system_role`` is False (for templates without a system role). Without one, plain text is produced.
+    """
+
+    chat_template: ChatTemplate | None = None
+    instruction: str = DEFAULT_INSTRUCTION
+    use_system_role: bool = True
+
+    def messages(self, question: str) -> list[dict]:
+        """The chat messages for ``question``."""
+        if self.use_system_role:
+            return [{"role": "system", "content": self.instruction}, {"role": "user", "content": question}]
+        return [{"role": "user", "content": f"{self.instruction}\n\n{question}"}]
+
+    def __call__(self, question: str) -> str:
+        if self.chat_template is None:
+            return f"{self.instruction}\n\nQuestion: {question}\nAnswer:"
+        return self.chat_template(self.messages(question))
+
+
+def filter_by_prompt_length(
+    examples: Sequence[dict], encode: Callable[[str], Sequence[int]], max_prompt_len: int
+) -> tuple[list[dict], int]:
+    """Keep examples whose ``prompt_text`` encodes to at most ``max_prompt_len`` tokens; also return how many
+    were dropped (a metric)."""
+    kept = [ex for ex in examples if len(encode(ex["prompt_text"])) <= max_prompt_len]
+    return kept, len(examples) - len(kept)

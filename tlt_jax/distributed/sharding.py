@@ -1,0 +1,130 @@
+"""Logical-axis rules: one validated table maps parameter/activation logical axis names to mesh axes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tlt_jax.models.layers import LOGICAL_AXES
+
+MeshAxes = str | tuple[str, ...] | None
+
+DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalRules:
+    """Logical axis name → mesh axis (or tuple of mesh axes, or None = replicated). Unknown names are errors."""
+
+    rules: tuple[tuple[str, MeshAxes], ...] = DEFAULT_RULES
+
+    def __post_init__(self):
+        names = [n for n, _ in self.rules]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"logical axis rules name {sorted(dup)} more than once; give each logical axis one rule")
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, MeshAxes] | Sequence[tuple[str, MeshAxes]]) -> LogicalRules:
+        items = mapping.items() if isinstance(mapping, Mapping) else mapping
+        return cls(tuple((str(k), tuple(v) if isinstance(v, list) else v) for k, v in items))
+
+    def lookup(self, name: str) -> tuple[str, ...]:
+        for n, axes in self.rules:
+            if n == name:
+                if axes is None:
+                    return ()
+                return (axes,) if isinstance(axes, str) else tuple(axes)
+        raise KeyError(f"logical axis {name!r} has no sharding rule; known: {[n for n, _ in self.rules]}")
+
+    def validate(self, mesh: Mesh) -> None:
+        for name, _ in self.rules:
+            for ax in self.lookup(name):
+                if ax not in mesh.axis_names:
+                    raise ValueError(
+                        f"rule {name!r} -> {ax!r}: mesh has no axis {ax!r} (mesh axes: {mesh.axis_names})"
+                    )
+
+    def spec(self, logical: Sequence[str | None], mesh: Mesh, shape: Sequence[int] | None = None) -> PartitionSpec:
+        """PartitionSpec for one tensor. Two logical axes on one mesh axis is an error; a mesh axis whose size does
+        not divide the dimension is dropped for that tensor (replicated there) with a log line."""
+        used: dict[str, str] = {}
+        out = []
+        for i, name in enumerate(logical):
+            axes = () if name is None else self.lookup(name)
+            for a in axes:
+                if a not in mesh.axis_names:
+                    raise ValueError(f"logical axis {name!r} maps to {a!r}, which mesh {mesh.axis_names} lacks")
+                if a in used:
+                    raise ValueError(
+                        f"logical axes {used[a]!r} and {name!r} of one tensor {tuple(logical)} both map to mesh "
+                        f"axis {a!r}; change the rules so each mesh axis is used once per tensor"
+                    )
+                used[a] = name
+            if shape is not None and axes:
+                size = 1
+                for a in axes:
+                    size *= mesh.shape[a]
+                if shape[i] % size:
+                    logging.info("dim %d (%s, size %d) not divisible by %s: replicated", i, name, shape[i], axes)
+                    axes = ()
+            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return PartitionSpec(*out)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: LogicalRules) -> nnx.State:
+    """NamedSharding for every variable of an (abstract) NNX state, from its ``logical_axes`` metadata."""
+    rules.validate(mesh)
+
+    def one(var):
+        meta = var.get_metadata()
+        logical = meta.get(LOGICAL_AXES)
+        shape = var.shape
+        spec = PartitionSpec() if logical is None else rules.spec(logical, mesh, shape)
+        return var.replace(NamedSharding(mesh, spec))
+
+    return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def init_sharded(make_module, mesh: Mesh, rules: LogicalRules = LogicalRules()):
+    """Build an NNX module with every parameter created directly in its sharding (never whole on one device)."""
+    abstract = nnx.eval_shape(make_module)
+    graphdef, abs_state = nnx.split(abstract)
+    shardings = state_shardings(abs_state, mesh, rules)
+
+    def init():
+        return nnx.state(make_module())
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def shard_module(module: nnx.Module, mesh: Mesh, rules: LogicalRules = LogicalRules()) -> nnx.Module:
+    """Place an existing module's state on ``mesh`` according to the rules (used after loading weights)."""
+    graphdef, state = nnx.split(module)
+    shardings = state_shardings(state, mesh, rules)
+    return nnx.merge(graphdef, jax.device_put(state, shardings))
+
+
+def logical_sharding(mesh: Mesh, rules: LogicalRules, *logical: str | None) -> NamedSharding:
+    """Sharding of an activation/input from logical axis names, e.g. ('batch', None)."""
+    return NamedSharding(mesh, rules.spec(logical, mesh))

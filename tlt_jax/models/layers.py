@@ -1,0 +1,132 @@
+"""Transformer building blocks. Every parameter carries logical axis names (metadata key ``logical_axes``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tlt_jax.models.config import ModelConfig
+
+LOGICAL_AXES = "logical_axes"
+_INIT = nnx.initializers.normal(0.02)
+
+
+def param(rngs: nnx.Rngs, shape, axes: tuple, dtype, init=_INIT) -> nnx.Param:
+    """A parameter with its logical axis names attached (one name per dimension)."""
+    assert len(axes) == len(shape), (shape, axes)
+    return nnx.Param(init(rngs.params(), shape, dtype), **{LOGICAL_AXES: tuple(axes)})
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = param(rngs, (dim,), ("norm",), param_dtype, nnx.initializers.ones)
+
+    def __call__(self, x):
+        dtype = x.dtype
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(jnp.float32) * x32).astype(dtype)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array):
+    """cos/sin tables [B, T, head_dim] for integer positions [B, T] (HF's non-interleaved layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, T, heads, D] by position; cos/sin are [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return (x.astype(jnp.float32) * c + rotated.astype(jnp.float32) * s).astype(x.dtype)
+
+
+def attention(q, k_new, v_new, new_mask, k_cache=None, v_cache=None, cache_mask=None):
+    """Grouped-query attention of T new queries over (cache keys ++ new keys).
+
+    q [B,T,H,D]; k_new, v_new [B,T,KV,D]; new_mask [B,T,T] bool (which new keys each query sees: causal, tree or
+    segment mask); k_cache, v_cache [B,S,KV,D] and cache_mask [B,T,S] bool (which cached keys are visible).
+    Softmax in float32. This is the plain XLA reference the tree-attention kernels are tested against.
+    """
+    b, t, h, d = q.shape
+    kv = k_new.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d).astype(jnp.float32) * (d**-0.5)
+    s_new = jnp.einsum("btkgd,bskd->bkgts", qg, k_new.astype(jnp.float32))
+    neg = jnp.finfo(jnp.float32).min
+    s_new = jnp.where(new_mask[:, None, None], s_new, neg)
+    if k_cache is None:
+        scores, values = s_new, v_new
+    else:
+        s_cache = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(jnp.float32))
+        s_cache = jnp.where(cache_mask[:, None, None], s_cache, neg)
+        scores = jnp.concatenate([s_cache, s_new], axis=-1)
+        values = jnp.concatenate([v_cache, v_new], axis=1)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(jnp.float32))
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.dtype = dtype
+        self.q_proj = param(rngs, (e, h, d), ("embed", "q_heads", "head_dim"), param_dtype)
+        self.k_proj = param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.v_proj = param(rngs, (e, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.o_proj = param(rngs, (h, d, e), ("q_heads", "head_dim", "embed"), param_dtype)
+        if cfg.attention_bias:
+            zeros = nnx.initializers.zeros
+            self.q_bias = param(rngs, (h, d), ("q_heads", "head_dim"), param_dtype, zeros)
+            self.k_bias = param(rngs, (kv, d), ("kv_heads", "head_dim"), param_dtype, zeros)
+            self.v_bias = param(rngs, (kv, d), ("kv_heads", "head_dim"), param_dtype, zeros)
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+
+    def _proj(self, x, w, b):
+        y = jnp.einsum("bte,ehd->bthd", x, w[...].astype(self.dtype))
+        return y if b is None else y + b[...].astype(self.dtype)
+
+    def __call__(self, x, cos, sin, new_mask, k_cache=None, v_cache=None, cache_mask=None):
+        q = apply_rope(self._proj(x, self.q_proj, self.q_bias), cos, sin)
+        k = apply_rope(self._proj(x, self.k_proj, self.k_bias), cos, sin)
+        v = self._proj(x, self.v_proj, self.v_bias)
+        out = attention(q, k, v, new_mask, k_cache, v_cache, cache_mask)
+        return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(self.dtype)), (k, v)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        e, f = cfg.hidden_size, cfg.intermediate_size
+        self.dtype = dtype
+        self.gate_proj = param(rngs, (e, f), ("embed", "mlp"), param_dtype)
+        self.up_proj = param(rngs, (e, f), ("embed", "mlp"), param_dtype)
+        self.down_proj = param(rngs, (f, e), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x):
+        g = x @ self.gate_proj[...].astype(self.dtype)
+        u = x @ self.up_proj[...].astype(self.dtype)
+        return (jax.nn.silu(g) * u) @ self.down_proj[...].astype(self.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm decoder layer. ``input_norm=False`` gives the EAGLE drafter's layer (its input is already fused)."""
+
+    def __init__(
+        self, cfg: ModelConfig, *, input_norm: bool = True, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs
+    ):
+        kw = dict(param_dtype=param_dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw) if input_norm else None
+        self.self_attn = Attention(cfg, dtype=dtype, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = MLP(cfg, dtype=dtype, **kw)
+
+    def __call__(self, x, cos, sin, new_mask, k_cache=None, v_cache=None, cache_mask=None):
+        h = x if self.input_layernorm is None else self.input_layernorm(x)
+        a, kv = self.self_attn(h, cos, sin, new_mask, k_cache, v_cache, cache_mask)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv

@@ -1,0 +1,134 @@
+"""Decoder-only causal LM (Llama / Qwen2 / SmolLM2 families) in Flax NNX, with layers stacked and scanned."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tlt_jax.models.config import ModelConfig, rope_inv_freq
+from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.models.layers import LOGICAL_AXES, DecoderLayer, RMSNorm, param, rope_cos_sin
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array | None  # [B, T, V] (or [B, K, V] at logits_indices)
+    hidden: jax.Array  # [B, T, H], final-normed: the tensor that feeds the LM head (EAGLE's feature)
+    k_new: jax.Array  # [L, B, T, KV, D]: keys of the new tokens, for the caller to commit
+    v_new: jax.Array
+
+
+def causal_mask(t: int) -> jax.Array:
+    return jnp.tril(jnp.ones((t, t), bool))
+
+
+def build_new_token_mask(batch, t, attention_mask=None, segment_ids=None, tree_mask=None):
+    """[B, T, T] visibility among the new tokens: causal, restricted by padding or packed segments, or a tree mask."""
+    if tree_mask is not None:
+        return tree_mask.astype(bool)
+    mask = jnp.broadcast_to(causal_mask(t)[None], (batch, t, t))
+    if attention_mask is not None:
+        mask = mask & attention_mask.astype(bool)[:, None, :]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return mask
+
+
+def stacked_layers(cfg: ModelConfig, n: int, *, rngs: nnx.Rngs, **layer_kwargs) -> DecoderLayer:
+    """n decoder layers whose parameters are stacked on a leading 'layers' axis (compile time independent of n)."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=n)
+    def make(r):
+        return DecoderLayer(cfg, rngs=r, **layer_kwargs)
+
+    layers = make(rngs)
+    for _, var in nnx.iter_graph(layers):
+        if isinstance(var, nnx.Variable) and var.has_metadata(LOGICAL_AXES):
+            var.set_metadata(**{LOGICAL_AXES: ("layers", *var.get_metadata()[LOGICAL_AXES])})
+    return layers
+
+
+def scan_layers(layers: DecoderLayer, x, cos, sin, new_mask, cache: KVCache | None, remat: bool = False):
+    """Run stacked layers with lax.scan; returns the final activations and the new keys/values of every layer."""
+    graphdef, state = nnx.split(layers)
+    cache_mask = None if cache is None else cache.attention_mask(x.shape[1])
+
+    def body(h, xs):
+        layer_state, kc, vc = xs
+        layer = nnx.merge(graphdef, layer_state)
+        return layer(h, cos, sin, new_mask, kc, vc, cache_mask)
+
+    if remat:
+        body = jax.checkpoint(body)
+    ks = (None, None) if cache is None else (cache.k, cache.v)
+    x, (k_new, v_new) = jax.lax.scan(body, x, (state, *ks))
+    return x, k_new, v_new
+
+
+class CausalLM(nnx.Module):
+    """Causal LM. Positions and masks are explicit, so one forward serves padded or packed full sequences,
+    KV-cached decode with per-row lengths, and tree verification (tree_mask + positions = length + depth)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.dtype = dtype
+        self.remat = False
+        self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
+        self.layers = stacked_layers(cfg, cfg.num_layers, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype)
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+
+    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+        """LM head on final-normed hidden states (shared, frozen, with the EAGLE drafter)."""
+        if self.lm_head is None:
+            w = self.embed_tokens[...].astype(self.dtype)
+            return jnp.einsum("...e,ve->...v", hidden, w)
+        return hidden @ self.lm_head[...].astype(self.dtype)
+
+    def rope(self, positions: jax.Array):
+        inv = jnp.asarray(rope_inv_freq(self.config).astype(np.float32))
+        return rope_cos_sin(positions, inv)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        tree_mask: jax.Array | None = None,
+        cache: KVCache | None = None,
+        logits_indices: jax.Array | None = None,
+        return_logits: bool = True,
+    ) -> ModelOutput:
+        """Forward over T new tokens per row.
+
+        input_ids [B, T]; positions [B, T] (default: cache length + arange(T), or arange(T)); attention_mask [B, T]
+        marks valid (non-padding) tokens; segment_ids [B, T] separates packed samples; tree_mask [B, T, T] replaces
+        the causal mask among new tokens; cache: keys/values the new tokens also attend to (up to each row's length);
+        logits_indices [B, K]: compute logits only at these positions.
+        """
+        b, t = input_ids.shape
+        if positions is None:
+            base = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
+            positions = base[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        new_mask = build_new_token_mask(b, t, attention_mask, segment_ids, tree_mask)
+        cos, sin = self.rope(positions)
+        x = self.embed(input_ids)
+        x, k_new, v_new = scan_layers(self.layers, x, cos, sin, new_mask, cache, remat=self.remat)
+        hidden = self.norm(x)
+        logits = None
+        if return_logits:
+            h = hidden if logits_indices is None else jnp.take_along_axis(hidden, logits_indices[..., None], axis=1)
+            logits = self.logits_from_hidden(h)
+        return ModelOutput(logits, hidden, k_new, v_new)

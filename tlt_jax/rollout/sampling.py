@@ -1,0 +1,73 @@
+"""Token sampling shared by plain decoding and tree verification (one code path, so verification stays exact).
+
+Sampling parameters are per-row arrays, so one compiled step serves rows with different settings. Randomness is
+counter-based: the key of a token depends only on (seed, request id, sample index, position).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+def processed_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Log-probabilities of the distribution actually sampled from: temperature, then top-k, then top-p.
+
+    logits [..., V]; temperature, top_k, top_p broadcastable to logits.shape[:-1] (top_k 0 = off, top_p 1 = off).
+    Temperature 0 means greedy: a one-hot at the argmax (log-prob 0 there, -inf elsewhere).
+    Ties at the top-k / top-p boundary keep every tied token, identically on every call.
+    """
+    logits = logits.astype(jnp.float32)
+    v = logits.shape[-1]
+    batch = logits.shape[:-1]
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), batch)[..., None]
+    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), batch)[..., None]
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), batch)[..., None]
+    greedy = temperature <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    sorted_desc = jnp.sort(scaled, axis=-1)[..., ::-1]
+    k = jnp.where((top_k <= 0) | (top_k > v), v, top_k)
+    kth = jnp.take_along_axis(sorted_desc, k - 1, axis=-1)
+    scaled = jnp.where(scaled >= kth, scaled, NEG_INF)
+    # top-p over the top-k-filtered distribution: keep the smallest prefix (by probability) whose mass reaches p.
+    sorted_desc = jnp.where(jnp.arange(v) < k, sorted_desc, NEG_INF)
+    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    keep_sorted = (mass_before < top_p) | (jnp.arange(v) == 0)
+    cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    scaled = jnp.where(scaled >= cutoff, scaled, NEG_INF)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    argmax = jnp.argmax(logits, axis=-1)[..., None]
+    onehot = jnp.where(jnp.arange(v) == argmax, 0.0, NEG_INF)
+    return jnp.where(greedy, onehot, logp)
+
+
+def sample_from_logprobs(keys: jax.Array, logp: jax.Array) -> jax.Array:
+    """Gumbel-max sample per row: keys has logp.shape[:-1] (typed keys); returns int32 token ids."""
+    v = logp.shape[-1]
+    flat_keys = keys.reshape(-1)
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(flat_keys).reshape(logp.shape)
+    return jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
+
+
+def token_keys(seed: jax.Array, request_ids: jax.Array, sample_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    """Counter-based keys: one per (seed, request, sample, position), whatever the batch layout.
+
+    All arguments are integer arrays broadcast together; returns typed keys of the broadcast shape.
+    """
+    seed, request_ids, sample_ids, positions = jnp.broadcast_arrays(
+        jnp.asarray(seed, jnp.uint32),
+        jnp.asarray(request_ids, jnp.uint32),
+        jnp.asarray(sample_ids, jnp.uint32),
+        jnp.asarray(positions, jnp.uint32),
+    )
+
+    def one(s, r, i, p):
+        k = jax.random.key(s)
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(k, r), i), p)
+
+    shape = seed.shape
+    keys = jax.vmap(one)(seed.reshape(-1), request_ids.reshape(-1), sample_ids.reshape(-1), positions.reshape(-1))
+    return keys.reshape(shape)
