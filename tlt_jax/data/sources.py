@@ -53,8 +53,7 @@ def _parquet_rows(path: pathlib.Path) -> Iterator[tuple[int, object]]:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise ImportError(
-            f"reading {path} needs pyarrow, which is not installed (pip install pyarrow), "
-            "or convert the file to .jsonl"
+            f"reading {path} needs pyarrow, which is not installed (pip install pyarrow), or convert the file to .jsonl"
         ) from e
     yield from enumerate(pq.read_table(path).to_pylist())
 

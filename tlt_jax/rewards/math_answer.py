@@ -49,7 +49,15 @@ def _clean_latex(s: str) -> str:
     """Rewrite the LaTeX that commonly wraps numbers in boxed answers into plain text."""
     s = _LATEX_TEXT.sub(r" \1 ", s)
     s = _LATEX_FRAC.sub(r"\1/\2", s)
-    for old, new in (("{,}", ","), ("\\,", ""), ("\\!", ""), ("\\%", "%"), ("\\$", "$"), ("\\left", ""), ("\\right", "")):
+    for old, new in (
+        ("{,}", ","),
+        ("\\,", ""),
+        ("\\!", ""),
+        ("\\%", "%"),
+        ("\\$", "$"),
+        ("\\left", ""),
+        ("\\right", ""),
+    ):
         s = s.replace(old, new)
     return s
 

@@ -111,12 +111,17 @@ class ParallelScorer:
         starts = range(0, n, chunk)
         pool = self._pool()
         futures = {
-            pool.submit(_score_chunk, self.score_fn, list(zip(completions[s : s + chunk], ground_truths[s : s + chunk])), timeout_s): s
+            pool.submit(
+                _score_chunk,
+                self.score_fn,
+                list(zip(completions[s : s + chunk], ground_truths[s : s + chunk], strict=True)),
+                timeout_s,
+            ): s
             for s in starts
         }
         # Worst case every item of a worker's share runs into its own timeout.
         deadline = time.monotonic() + math.ceil(n / self.num_workers) * timeout_s + self.grace_s
-        done, not_done = cf.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        _, not_done = cf.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         broken = bool(not_done)
         for fut, s in futures.items():
             stop = min(s + chunk, n)

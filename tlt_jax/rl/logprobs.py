@@ -1,0 +1,85 @@
+"""Per-token log-probabilities of sampled responses, recomputed by a policy (or the frozen reference).
+
+GRPO never takes log-probs from the rollout: the engine may have decoded speculatively, in another batch layout or
+precision, so the old and reference log-probs are recomputed here by one teacher-forced forward pass. Sequences are
+``prompt ++ response`` right-padded to ``T``; ``logp[:, t]`` is ``log p(ids[:, t] | ids[:, :t])`` at temperature
+``temperature`` (VeRL divides the logits by the rollout temperature), 0 at ``t = 0`` and at padding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["batch_logprobs", "make_logprob_fn", "sequence_logprobs", "split_rows", "token_logprobs", "unsplit_rows"]
+
+
+def split_rows(x: jax.Array, rows: int) -> jax.Array:
+    """[B, ...] -> [B // rows, rows, ...] with chunk j holding rows j, j + B/rows, ... (strided).
+
+    Strided chunks keep a batch sharded contiguously over devices sharded inside every chunk, so a scan over
+    chunks runs on all devices at once.
+    """
+    b = x.shape[0]
+    if b % rows:
+        raise ValueError(f"batch of {b} rows does not split into chunks of {rows}")
+    return jnp.swapaxes(x.reshape(rows, b // rows, *x.shape[1:]), 0, 1)
+
+
+def unsplit_rows(x: jax.Array) -> jax.Array:
+    """Inverse of :func:`split_rows`."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of ``targets`` [B, T] under ``logits`` [B, T, V] / temperature, and the entropy there (float32)."""
+    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    logp = jnp.take_along_axis(logp_all, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp, entropy
+
+
+def sequence_logprobs(
+    model, input_ids: jax.Array, attention_mask: jax.Array, temperature: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """``(logp, entropy)`` [B, T] of every token given its prefix; position 0 and padding are 0.
+
+    ``entropy[:, t]`` is the entropy of the distribution that predicted token t.
+    """
+    b, t = input_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits = model(input_ids, positions=positions, attention_mask=attention_mask).logits
+    logp, ent = token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+    valid = attention_mask[:, 1:].astype(jnp.float32)
+    pad = jnp.zeros((b, 1), jnp.float32)
+    return jnp.concatenate([pad, logp * valid], axis=1), jnp.concatenate([pad, ent * valid], axis=1)
+
+
+def batch_logprobs(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    rest: nnx.State,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    *,
+    chunk_size: int,
+    temperature: float = 1.0,
+) -> jax.Array:
+    """Log-probs [B, T] computed ``chunk_size`` rows at a time (bounded logits memory), no gradients."""
+    model = nnx.merge(graphdef, params, rest)
+
+    def one(xs):
+        ids, mask = xs
+        return sequence_logprobs(model, ids, mask, temperature)[0]
+
+    chunks = (split_rows(input_ids, chunk_size), split_rows(attention_mask, chunk_size))
+    return jax.lax.stop_gradient(unsplit_rows(jax.lax.map(one, chunks)))
+
+
+def make_logprob_fn(graphdef: nnx.GraphDef, *, chunk_size: int, temperature: float, out_sharding=None):
+    """Jitted ``fn(params, rest, input_ids, attention_mask) -> logp [B, T]`` for the policy or the reference."""
+    fn = functools.partial(batch_logprobs, graphdef, chunk_size=chunk_size, temperature=temperature)
+    return jax.jit(fn, out_shardings=out_sharding)
