@@ -1,0 +1,8 @@
+"""Rollout engine: prompt once / fork n, K-step decode chunks, compaction into batch buckets, compiled-step pool."""
+
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.params import HiddenCapture, RolloutResult, SamplingParams
+from tlt_jax.rollout.pool import StepKey, StepPool
+from tlt_jax.rollout.state import DecodeState
+
+__all__ = ["DecodeState", "HiddenCapture", "RolloutEngine", "RolloutResult", "SamplingParams", "StepKey", "StepPool"]
