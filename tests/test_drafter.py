@@ -1,0 +1,214 @@
+"""EAGLE drafter: shared frozen embedding/head, packed training without cross-sample attention, loss decrease,
+sharded step == single-device step, save/load and EAGLE-layout export round trips, warm-up end to end."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from tlt_jax.distributed import MeshConfig, make_mesh
+from tlt_jax.drafter import EagleDrafter, num_trainable_params
+from tlt_jax.drafter.export import export_eagle, import_eagle, load_drafter, save_drafter
+from tlt_jax.drafter.train import (
+    DrafterBatch,
+    LossConfig,
+    OptimConfig,
+    drafter_loss,
+    init_train_state,
+    make_optimizer,
+    make_train_step,
+    pack_sequences,
+    train_drafter,
+)
+from tlt_jax.drafter.warmup import policy_hidden_states, run_warmup
+from tlt_jax.models import CausalLM, tiny_config
+from tlt_jax.speculative import speculative_generate
+
+CFG = tiny_config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  eos_token_ids=())
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return CausalLM(CFG, rngs=nnx.Rngs(0))
+
+
+def _samples(policy, n=5, seed=0):
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, 64, size=int(rng.integers(6, 14))).tolist() for _ in range(n)]
+    hidden = policy_hidden_states(policy, seqs, batch_size=8)
+    return [(np.asarray(s), h, int(rng.integers(2, len(s) - 1))) for s, h in zip(seqs, hidden, strict=True)]
+
+
+def test_drafter_owns_no_embedding_or_head():
+    cfg = tiny_config(vocab_size=100, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2)
+    drafter = EagleDrafter(cfg, rngs=nnx.Rngs(1))
+    shapes = [x.shape for x in jax.tree.leaves(nnx.state(drafter, nnx.Param))]
+    assert all(cfg.vocab_size not in s for s in shapes)
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    assert num_trainable_params(drafter) == 2 * h * h + h + attn + 3 * h * f + h  # fc(+bias), layer, post norm
+    assert drafter.layer.input_layernorm is None
+
+
+def test_packing_layout_and_no_cross_sample_attention(policy):
+    drafter = EagleDrafter(CFG, rngs=nnx.Rngs(1))
+    samples = _samples(policy)
+    batch = pack_sequences(samples, row_len=32)
+    ids0, h0, start0 = samples[0]
+    n0 = len(ids0) - 1
+    np.testing.assert_array_equal(batch.next_tokens[0, :n0], ids0[1:])
+    np.testing.assert_allclose(batch.features[0, :n0], h0[:-1])
+    np.testing.assert_allclose(batch.targets[0, :n0], h0[1:])
+    np.testing.assert_array_equal(batch.positions[0, :n0], np.arange(n0))
+    np.testing.assert_array_equal(batch.loss_mask[0, :n0], np.arange(1, n0 + 1) >= start0)
+    assert batch.segment_ids.max() >= 2  # several samples share a row
+    assert batch.loss_mask[batch.segment_ids == 0].sum() == 0
+    packed = drafter(policy, jnp.asarray(batch.next_tokens), jnp.asarray(batch.features),
+                     positions=jnp.asarray(batch.positions), segment_ids=jnp.asarray(batch.segment_ids))
+    checked = 0
+    for r in range(batch.segment_ids.shape[0]):
+        for seg in range(1, batch.segment_ids[r].max() + 1):
+            cols = np.flatnonzero(batch.segment_ids[r] == seg)
+            alone = drafter(policy, jnp.asarray(batch.next_tokens[r:r + 1, cols]),
+                            jnp.asarray(batch.features[r:r + 1, cols]))
+            np.testing.assert_allclose(packed[r, cols], alone[0], atol=1e-5)
+            checked += 1
+    assert checked == len(samples)
+    # Cropping: a sample longer than a row keeps a window starting just before its response.
+    long = [(np.arange(40) % 64, np.zeros((40, CFG.hidden_size), np.float32), 30)]
+    b = pack_sequences(long, row_len=16)
+    np.testing.assert_array_equal(b.positions[0], np.arange(23, 39))
+    assert b.loss_mask[0].sum() == 10
+
+
+def test_loss_decreases_on_fixed_batch(policy):
+    drafter = EagleDrafter(CFG, rngs=nnx.Rngs(2))
+    batch = pack_sequences(_samples(policy, 8), row_len=32)
+    _, hist = train_drafter(drafter, policy, [batch], 60, optim=OptimConfig(learning_rate=3e-3))
+    assert hist[-1]["value_loss"] < 0.3 * hist[0]["value_loss"]  # the CE part has the policy's entropy as floor
+    assert hist[-1]["loss"] < hist[0]["loss"] - 0.3
+    assert hist[-1]["top1"] > hist[0]["top1"]
+    # The loss pieces are what they say: SmoothL1 on features and soft CE against the policy's distribution.
+    loss, m = drafter_loss(drafter, policy, jax.tree.map(jnp.asarray, batch), LossConfig())
+    assert abs(float(loss) - (float(m.value_loss) + 0.1 * float(m.prob_loss))) < 1e-5
+
+
+def test_frozen_policy_gets_no_gradient(policy):
+    drafter = EagleDrafter(CFG, rngs=nnx.Rngs(2))
+    batch = jax.tree.map(jnp.asarray, pack_sequences(_samples(policy, 3), row_len=32))
+    g = jax.grad(lambda pol: drafter_loss(drafter, pol, batch)[0])(policy)
+    assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(nnx.state(g, nnx.Param)))
+
+
+def test_sharded_train_step_equals_single_device(policy):
+    batch = pack_sequences(_samples(policy, 12, seed=3), row_len=16, num_rows=8)
+    opt = make_optimizer(OptimConfig(learning_rate=1e-3))
+    key = jax.random.key(0)
+    results = []
+    for mesh in (None, make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))):
+        drafter = EagleDrafter(CFG, rngs=nnx.Rngs(4))
+        graphdef, state = init_train_state(drafter, opt, mesh)
+        step = make_train_step(graphdef, opt, mesh=mesh)
+        b = jax.tree.map(jnp.asarray, batch)
+        pol = policy
+        if mesh is not None:
+            from tlt_jax.distributed import shard_module
+            from tlt_jax.drafter.train import batch_sharding
+
+            b = jax.device_put(b, batch_sharding(mesh))
+            pol = shard_module(policy, mesh)
+        for i in range(2):
+            state, m = step(state, pol, b, jax.random.fold_in(key, i))
+        results.append((float(m.loss), jax.device_get(state.params)))
+        if mesh is not None:
+            q = state.params["layer"]["self_attn"]["q_proj"][...]
+            assert len(q.sharding.device_set) == 8
+    assert abs(results[0][0] - results[1][0]) < 1e-5
+    for a, c in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1]), strict=True):
+        np.testing.assert_allclose(a, c, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_save_load_and_eagle_export_round_trip(tmp_path, bias):
+    cfg = tiny_config(vocab_size=64, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2,
+                      attention_bias=bias, architecture="qwen2" if bias else "llama", eos_token_ids=(1, 2))
+    drafter = EagleDrafter(cfg, rngs=nnx.Rngs(5))
+    drafter.fc_bias[...] = jax.random.normal(jax.random.key(1), drafter.fc_bias.shape)
+    ref = nnx.state(drafter, nnx.Param)
+    save_drafter(drafter, tmp_path / "ours")
+    export_eagle(drafter, tmp_path / "eagle")
+    for loaded in (load_drafter(tmp_path / "ours"), import_eagle(tmp_path / "eagle")):
+        assert loaded.config == cfg
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(nnx.state(loaded, nnx.Param)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLMEagle" if bias else "LlamaForCausalLMEagle"]
+    assert config["num_hidden_layers"] == 1 and config["hidden_size"] == 32
+    t = load_file(str(tmp_path / "eagle" / "model.safetensors"))
+    h, d = 32, cfg.head_dim
+    assert t["fc.weight"].shape == (h, 2 * h) and t["fc.bias"].shape == (h,)
+    np.testing.assert_array_equal(t["fc.weight"], np.asarray(drafter.fc_kernel[...]).T)  # [out, in]
+    assert t["layers.0.self_attn.q_proj.weight"].shape == (4 * d, h)
+    assert t["layers.0.self_attn.k_proj.weight"].shape == (2 * d, h)
+    assert t["layers.0.self_attn.o_proj.weight"].shape == (h, 4 * d)
+    assert t["layers.0.mlp.down_proj.weight"].shape == (h, 48)
+    assert "layers.0.post_attention_layernorm.weight" in t and not any("input_layernorm" in k for k in t)
+    assert ("layers.0.self_attn.q_proj.bias" in t) == bias
+    # The [out, in] q_proj matches the HF convention: y = x @ W.T with heads contiguous in the output.
+    x = np.random.default_rng(0).normal(size=(3, h)).astype(np.float32)
+    ours = np.einsum("te,ehd->thd", x, np.asarray(drafter.layer.self_attn.q_proj[...])).reshape(3, -1)
+    np.testing.assert_allclose(x @ t["layers.0.self_attn.q_proj.weight"].T, ours, atol=1e-5)
+
+
+def test_warmup_trains_a_drafter_that_gets_accepted(tmp_path, policy):
+    """Train on the policy's own greedy outputs; the trained drafter's greedy acceptance beats a random one's and
+    speculative output still equals plain output."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 64, size=int(rng.integers(4, 9))).tolist() for _ in range(16)]
+    drafter, hist, samples = run_warmup(policy, prompts, max_new_tokens=24, steps=150, batch_size=8, row_len=64,
+                                        rows_per_batch=4, temperature=0.0, stop_tokens=(),
+                                        optim=OptimConfig(learning_rate=3e-3), log=lambda *_: None)
+    assert len(samples) == 16 and hist[-1]["loss"] < hist[0]["loss"]
+    save_drafter(drafter, tmp_path)
+    drafter = load_drafter(tmp_path)
+    kw = dict(depth=3, topk=2, num_nodes=6, max_new_tokens=24, stop_tokens=())
+    trained = speculative_generate(policy, prompts[:4], drafter=drafter, **kw)
+    random = speculative_generate(policy, prompts[:4], drafter=EagleDrafter(CFG, rngs=nnx.Rngs(9)), **kw)
+    assert trained.tokens == random.tokens == [r for _, r in samples[:4]]
+    assert trained.mean_accept > random.mean_accept + 0.5, (trained.mean_accept, random.mean_accept)
+
+
+def test_batch_is_a_pytree():
+    b = DrafterBatch(*(np.zeros((1, 2)) for _ in range(6)))
+    assert len(jax.tree.leaves(b)) == 6
+
+
+def test_loss_matches_numpy_reference(policy):
+    """SmoothL1 + 0.1 * soft CE, masked mean over response pairs, recomputed in float64 numpy."""
+    drafter = EagleDrafter(CFG, rngs=nnx.Rngs(6))
+    batch = pack_sequences(_samples(policy, 4, seed=5), row_len=32)
+    jb = jax.tree.map(jnp.asarray, batch)
+    loss, m = drafter_loss(drafter, policy, jb)
+    h_hat = np.asarray(drafter(policy, jb.next_tokens, jb.features, positions=jb.positions,
+                               segment_ids=jb.segment_ids), np.float64)
+    w = np.asarray(policy.lm_head[...], np.float64)
+    x = h_hat - batch.targets
+    sl1 = np.where(np.abs(x) < 1, 0.5 * x * x, np.abs(x) - 0.5).mean(-1)
+    mask = batch.loss_mask
+    vref = (sl1 * mask).sum() / mask.sum()
+
+    def log_softmax(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    p = np.exp(log_softmax(batch.targets.astype(np.float64) @ w))
+    pref = ((-(p * log_softmax(h_hat @ w)).sum(-1)) * mask).sum() / mask.sum()
+    np.testing.assert_allclose(float(m.value_loss), vref, rtol=1e-5)
+    np.testing.assert_allclose(float(m.prob_loss), pref, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), vref + 0.1 * pref, rtol=1e-5)
+    assert abs(float(m.tokens) - mask.sum()) < 1e-6

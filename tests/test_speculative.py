@@ -1,0 +1,421 @@
+"""Tree speculative decoding: format helpers and kernels against the numpy oracles, tree-forward parity, KV commit,
+and the lossless end-to-end property (speculative == plain decoding, token for token, greedy and sampled)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tlt_jax.drafter import EagleDrafter
+from tlt_jax.models import CausalLM, KVCache, tiny_config
+from tlt_jax.speculative import (
+    NgramDrafter,
+    accept_tree,
+    ancestor_matrix,
+    check_tree,
+    drafter_prefill,
+    eagle_draft,
+    from_first_child_next_sibling,
+    init_draft_state,
+    make_tree,
+    plain_generate,
+    prefill_step,
+    sample_tree,
+    select_tree,
+    speculative_generate,
+    tree_forward,
+    truncate,
+    verify_tree,
+)
+from tlt_jax.speculative.generate import pad_prompts
+from tlt_jax.speculative.reference import (
+    ref_accept,
+    ref_ancestors,
+    ref_depths,
+    ref_eagle_draft,
+    ref_select,
+    ref_truncate,
+)
+from tlt_jax.speculative.verify import depth_keys
+
+CFG = tiny_config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  eos_token_ids=())
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return CausalLM(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return EagleDrafter(CFG, rngs=nnx.Rngs(1))
+
+
+def random_tree(rng, n, vocab, p_invalid=0.15):
+    """Topologically ordered random tree with distinct sibling tokens (numpy)."""
+    parent = np.full(n, -1, np.int32)
+    tokens = np.zeros(n, np.int32)
+    valid = np.ones(n, bool)
+    used = {}
+    tokens[0] = rng.integers(vocab)
+    for i in range(1, n):
+        p = int(rng.integers(i))
+        parent[i] = p
+        choices = [t for t in range(vocab) if t not in used.setdefault(p, set())]
+        tokens[i] = rng.choice(choices)
+        used[p].add(int(tokens[i]))
+        valid[i] = rng.random() > p_invalid
+    return tokens, parent, valid
+
+
+def closure(parent, valid):
+    v = valid.copy()
+    for i in range(1, len(parent)):
+        v[i] = v[i] and v[parent[i]]
+    return v
+
+
+# ------------------------------------------------------------------------------------------------ format + kernels
+
+
+def test_make_tree_and_ancestors_match_reference():
+    rng = np.random.default_rng(0)
+    n = 12
+    rows = [random_tree(rng, n, 20) for _ in range(6)]
+    tok, par, val = (np.stack(x) for x in zip(*rows, strict=True))
+    tree = make_tree(tok, par, val, max_depth=n - 1)
+    anc = np.asarray(ancestor_matrix(tree, n - 1))
+    for b in range(len(rows)):
+        v = closure(par[b], val[b])
+        np.testing.assert_array_equal(np.asarray(tree.valid[b]), v)
+        ref = ref_ancestors(par[b])
+        np.testing.assert_array_equal(anc[b][v][:, v], ref[v][:, v])
+        np.testing.assert_array_equal(np.asarray(tree.depth[b])[v], ref_depths(par[b])[v])
+        np.testing.assert_array_equal(np.asarray(tree.tokens[b])[~v], 0)
+    check_tree(tree)
+    # Depth beyond max_depth is invalidated (the accepted path has a static width).
+    chain = make_tree(np.arange(6)[None], np.arange(-1, 5)[None], np.ones((1, 6), bool), max_depth=3)
+    np.testing.assert_array_equal(np.asarray(chain.valid[0]), [1, 1, 1, 1, 0, 0])
+
+
+def test_accept_matches_reference_walk():
+    rng = np.random.default_rng(1)
+    n, vocab = 10, 12
+    rows = [random_tree(rng, n, vocab) for _ in range(64)]
+    tok, par, val = (np.stack(x) for x in zip(*rows, strict=True))
+    samples = rng.integers(vocab, size=(64, n)).astype(np.int32)
+    for b in range(64):  # make acceptance frequent: a node's sample usually equals one of its children
+        for u in range(n):
+            kids = [c for c in range(n) if par[b, c] == u]
+            if kids and rng.random() < 0.8:
+                samples[b, u] = tok[b, rng.choice(kids)]
+    tree = make_tree(tok, par, val, max_depth=n - 1)
+    acc = accept_tree(tree, jnp.asarray(samples), max_depth=n - 1)
+    lens = []
+    for b in range(64):
+        path, alen = ref_accept(tok[b], par[b], closure(par[b], val[b]), samples[b])
+        assert int(acc.accept_len[b]) == alen
+        np.testing.assert_array_equal(np.asarray(acc.path[b, : alen + 1]), path)
+        lens.append(alen)
+    assert max(lens) >= 3 and min(lens) == 0
+
+
+def test_sglang_greedy_verification_case():
+    """docs/speculative_decoding.md §7.1 (sgl-kernel test_verify_tree_greedy), converted to parent pointers."""
+    t0, p0 = from_first_child_next_sibling([0, 1, 2, 3, 4, 5], [1, 2, -1, 4, 5, -1], [-1, 3, -1, -1, -1, -1])
+    t1, p1 = from_first_child_next_sibling([7, 8, 9, 10, 11, 12], [4, 2, 3, -1, 5, -1], [-1, -1, -1, -1, 1, -1])
+    np.testing.assert_array_equal(p0, [-1, 0, 1, 0, 3, 4])
+    np.testing.assert_array_equal(p1, [-1, 0, 1, 2, 0, 4])
+    argmax = np.full((2, 6), 18, np.int32)
+    argmax[0, [0, 3, 4]] = [3, 4, 5]
+    argmax[1, [0, 4]] = [11, 12]
+    tree = make_tree(np.stack([t0, t1]), np.stack([p0, p1]), np.ones((2, 6), bool), max_depth=3)
+    # Greedy = temperature 0 through the one sampling path (the keys must not matter).
+    logits = jax.nn.one_hot(argmax, 24) * 5.0 + 0.01 * jax.random.normal(jax.random.key(0), (2, 6, 24))
+    keys = depth_keys(0, np.arange(2), np.zeros(2), np.array([6, 6]), 3)
+    samples = sample_tree(logits, tree, keys, jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2))
+    np.testing.assert_array_equal(np.asarray(samples), argmax)
+    acc = accept_tree(tree, samples, max_depth=3)
+    np.testing.assert_array_equal(np.asarray(acc.accept_len), [3, 2])
+    np.testing.assert_array_equal(np.asarray(acc.path), [[0, 3, 4, 5], [0, 4, 5, 0]])
+    emitted = np.take_along_axis(argmax, np.asarray(acc.path), axis=1)
+    np.testing.assert_array_equal(emitted[0], [3, 4, 5, 18])  # SGLang predicts at nodes 0,3,4,5
+    np.testing.assert_array_equal(emitted[1, :3], [11, 12, 18])  # flat accept_index [6, 10, 11]
+    for b, (t, p) in enumerate([(t0, p0), (t1, p1)]):
+        path, alen = ref_accept(t, p, np.ones(6, bool), argmax[b])
+        assert path == np.asarray(acc.path[b, : alen + 1]).tolist()
+
+
+def test_truncate_matches_reference():
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(6, size=(200, 5)).astype(np.int32)
+    n = rng.integers(1, 6, size=200).astype(np.int32)
+    remaining = rng.integers(1, 7, size=200).astype(np.int32)
+    active = rng.random(200) > 0.1
+    stops = np.array([2, 4], np.int32)
+    count, finished = truncate(jnp.asarray(tokens), jnp.asarray(n), stops, jnp.asarray(remaining),
+                               jnp.asarray(active))
+    for b in range(200):
+        ref = ref_truncate(tokens[b, : n[b]].tolist(), {2, 4}, int(remaining[b])) if active[b] else []
+        assert int(count[b]) == len(ref)
+        fin = active[b] and (len(ref) == remaining[b] or (ref and ref[-1] in (2, 4)))
+        assert bool(finished[b]) == bool(fin)
+
+
+def test_select_tree_matches_reference():
+    rng = np.random.default_rng(3)
+    k, depth = 3, 3
+    b = 8
+    # Candidates in EAGLE layer order: k roots' children, then k*k per step with parents among the previous frontier.
+    scores, tokens, parents = [], [], []
+    for _ in range(b):
+        s = list(-rng.random(k))
+        t = list(rng.permutation(30)[:k])
+        p = [-1] * k
+        front = list(range(k))
+        for _ in range(1, depth):
+            base = len(s)
+            for f in front:
+                s += list(s[f] - rng.random(k))
+                t += list(rng.permutation(30)[:k])
+                p += [f] * k
+            front = [base + int(i) for i in np.argsort(-np.array(s[base:]), kind="stable")[:k]]
+        scores.append(s)
+        tokens.append(t)
+        parents.append(p)
+    scores, tokens, parents = np.array(scores), np.array(tokens, np.int32), np.array(parents, np.int32)
+    scores[0, 5] = np.nan
+    for n in (4, 9, 40):  # 40 > candidate count (21): invalid padding
+        tree = select_tree(jnp.asarray(scores), jnp.asarray(tokens), jnp.asarray(parents), jnp.arange(b), n, depth)
+        check_tree(tree)
+        for r in range(b):
+            rt, rp, rv = ref_select(scores[r], tokens[r], parents[r], r, n)
+            np.testing.assert_array_equal(np.asarray(tree.valid[r]), rv)
+            np.testing.assert_array_equal(np.asarray(tree.tokens[r])[rv], rt[rv])
+            np.testing.assert_array_equal(np.asarray(tree.parent[r])[rv], rp[rv])
+
+
+# ---------------------------------------------------------------------------------------- model-level invariants
+
+
+def _prefill(policy, prompts, extra=16):
+    ids, lens = pad_prompts(prompts)
+    b = len(prompts)
+    cache = KVCache.zeros(policy.config, b, ids.shape[1] + extra)
+    keys = depth_keys(0, np.arange(b), np.zeros(b), lens, 0)[:, 0]
+    cache, first, _, hidden = prefill_step(policy, cache, jnp.asarray(ids), jnp.asarray(lens), keys,
+                                           jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b))
+    return ids, lens, cache, first, hidden
+
+
+def test_tree_forward_logits_equal_sequential_decode(policy):
+    rng = np.random.default_rng(4)
+    n, d = 10, 4
+    _, lens, cache, first, _ = _prefill(policy, PROMPTS)
+    rows = [random_tree(rng, n, CFG.vocab_size, p_invalid=0.1) for _ in PROMPTS]
+    tok, par, val = (np.stack(x) for x in zip(*rows, strict=True))
+    tok[:, 0] = np.asarray(first)
+    tree = make_tree(tok, par, val, max_depth=d)
+    out = tree_forward(policy, cache, tree, d)
+    tok, par, val = (np.asarray(x) for x in (tree.tokens, tree.parent, tree.valid))
+    seqs, where = [], []
+    for b, prompt in enumerate(PROMPTS):
+        for u in range(n):
+            if not val[b, u]:
+                continue
+            path, j = [], u
+            while j >= 0:
+                path.append(int(tok[b, j]))
+                j = int(par[b, j])
+            seqs.append(prompt + path[::-1])
+            where.append((b, u))
+    ids, lens = pad_prompts(seqs)  # one plain causal forward per path (right-padded batch)
+    ref = policy(jnp.asarray(ids), logits_indices=jnp.asarray(lens - 1)[:, None]).logits[:, 0]
+    got = jnp.stack([out.logits[b, u] for b, u in where])
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    checked = len(seqs)
+    assert checked > 15
+
+
+def test_kv_commit_equals_plain_decoding_kv(policy):
+    _, lens, cache, first, _ = _prefill(policy, PROMPTS)
+    greedy = plain_generate(policy, PROMPTS, max_new_tokens=6, stop_tokens=())
+    g = [np.array(t) for t in greedy.tokens]
+    # Chain root -> g[1] -> g[2] -> g[3] plus wrong siblings: greedy verification accepts exactly the chain.
+    tok = np.array([[t[0], t[1], (t[1] + 1) % 64, t[2], t[3], (t[3] + 7) % 64] for t in g], np.int32)
+    par = np.array([[-1, 0, 0, 1, 3, 3]] * 3, np.int32)
+    tree = make_tree(tok, par, np.ones((3, 6), bool), max_depth=3)
+    keys = depth_keys(0, np.arange(3), np.zeros(3), cache.lengths + 1, 3)
+    zeros = jnp.zeros(3)
+    remaining = jnp.array([10, 2, 10])  # row 1: budget cut inside the accepted path
+    out = verify_tree(policy, cache, tree, keys, zeros, zeros.astype(jnp.int32), jnp.ones(3), jnp.array([-1]),
+                      remaining, jnp.array([True, True, False]), max_depth=3)
+    np.testing.assert_array_equal(np.asarray(out.accept_len), [3, 3, 3])
+    np.testing.assert_array_equal(np.asarray(out.num_emitted), [4, 2, 0])
+    np.testing.assert_array_equal(np.asarray(out.tokens[0]), g[0][1:5])
+    np.testing.assert_array_equal(np.asarray(out.tokens[1]), [g[1][1], g[1][2], -1, -1])
+    np.testing.assert_array_equal(np.asarray(out.finished), [False, True, False])
+    np.testing.assert_array_equal(np.asarray(out.cache.lengths), lens + np.array([4, 2, 0]))
+    for b in range(2):
+        committed = PROMPTS[b] + g[b][: int(out.num_emitted[b])].tolist()
+        ref = policy(jnp.asarray([committed]))
+        n = len(committed)
+        np.testing.assert_allclose(out.cache.k[:, b, :n], ref.k_new[:, 0], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(out.cache.v[:, b, :n], ref.v_new[:, 0], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(out.cache.k[:, 2]), np.asarray(cache.k[:, 2]))  # inactive: untouched
+    # Log-probs are the raw policy log-probs at the parent node.
+    np.testing.assert_allclose(out.logprobs[0], greedy.logprobs[0][1:5], atol=1e-5)
+
+
+def test_eagle_draft_matches_sequential_reference(policy, drafter):
+    depth, topk, n = 3, 3, 12
+    prompts = PROMPTS[:2]
+    ids, lens, cache, first, hidden = _prefill(policy, prompts)
+    dstate = init_draft_state(CFG, 2, ids.shape[1] + 16)
+    dstate = drafter_prefill(policy, drafter, dstate, jnp.asarray(ids), jnp.asarray(lens), first, hidden)
+    tree, _ = jax.jit(eagle_draft, static_argnames=("depth", "topk", "num_nodes"))(
+        policy, drafter, dstate, first, depth=depth, topk=topk, num_nodes=n)
+    check_tree(tree)
+    for b, prompt in enumerate(prompts):
+        seq = prompt + [int(first[b])]
+        h = policy(jnp.asarray([prompt])).hidden[0]  # h_t for t < len(prompt)
+
+        def feature_fn(path_tokens, path_feats, seq=seq, h=h):
+            toks = jnp.asarray([seq[1:] + list(path_tokens)])
+            feats = jnp.concatenate([h] + [jnp.asarray(f)[None] for f in path_feats], 0)[None]
+            return np.asarray(drafter(policy, toks, feats)[0, -1])
+
+        root_feature = feature_fn([], [])
+        np.testing.assert_allclose(dstate.feature[b], root_feature, atol=1e-5)
+        (rt, rp, rv), _ = ref_eagle_draft(feature_fn, lambda f: np.asarray(policy.logits_from_hidden(jnp.asarray(f))),
+                                          root_feature, depth, topk, n, int(first[b]))
+        np.testing.assert_array_equal(np.asarray(tree.valid[b]), rv)
+        np.testing.assert_array_equal(np.asarray(tree.tokens[b]), rt)
+        np.testing.assert_array_equal(np.asarray(tree.parent[b])[rv], rp[rv])
+        assert int(np.asarray(tree.depth[b]).max()) >= 2
+
+
+# ------------------------------------------------------------------------------------------------- lossless loops
+
+
+def _oracle(reference_tokens, depth, n, vocab):
+    """Host proposer: a chain along the reference continuation plus distinct wrong siblings."""
+
+    def propose(contexts, active):
+        b = len(contexts)
+        tok = np.zeros((b, n), np.int32)
+        par = np.zeros((b, n), np.int32)
+        val = np.zeros((b, n), bool)
+        par[:, 0] = -1
+        val[:, 0] = True
+        for i, ctx in enumerate(contexts):
+            done = len(ctx) - len(PROMPTS[i])
+            chain = reference_tokens[i][done: done + depth]
+            tok[i, 0] = ctx[-1]
+            k, prev = 1, 0
+            for t in chain:
+                if k + 1 >= n:
+                    break
+                tok[i, k], par[i, k], val[i, k] = t, prev, True
+                tok[i, k + 1], par[i, k + 1], val[i, k + 1] = (t + 1) % vocab, prev, True
+                prev, k = k, k + 2
+        return tok, par, val
+
+    return propose
+
+
+def test_eagle_draft_any_static_config_is_well_formed(policy, drafter):
+    ids, lens, cache, first, hidden = _prefill(policy, PROMPTS)
+    draft = jax.jit(eagle_draft, static_argnames=("depth", "topk", "num_nodes"))
+    for depth, topk, n in [(1, 1, 1), (1, 4, 3), (2, 2, 20), (5, 1, 4), (3, 4, 16)]:
+        dstate = init_draft_state(CFG, 3, ids.shape[1] + 24)  # one shape: one prefill compile
+        dstate = drafter_prefill(policy, drafter, dstate, jnp.asarray(ids), jnp.asarray(lens), first, hidden)
+        tree, _ = draft(policy, drafter, dstate, first, depth=depth, topk=topk, num_nodes=n)
+        check_tree(tree)
+        assert tree.tokens.shape == (3, n)
+        pool = topk + (depth - 1) * topk * topk
+        np.testing.assert_array_equal(np.asarray(tree.valid).sum(1), min(n, pool + 1))
+        np.testing.assert_array_equal(np.asarray(tree.tokens[:, 0]), np.asarray(first))
+        assert int(np.asarray(tree.depth).max()) <= depth
+
+
+@pytest.mark.parametrize("depth,topk,n", [(3, 2, 6), (4, 3, 10), (2, 1, 3), (1, 1, 1)])
+def test_greedy_eagle_equals_plain(policy, drafter, depth, topk, n):
+    plain = plain_generate(policy, PROMPTS, max_new_tokens=14, stop_tokens=())
+    spec = speculative_generate(policy, PROMPTS, drafter=drafter, depth=depth, topk=topk, num_nodes=n,
+                                max_new_tokens=14, stop_tokens=())
+    assert spec.tokens == plain.tokens
+    np.testing.assert_allclose(np.concatenate(spec.logprobs), np.concatenate(plain.logprobs), atol=1e-5)
+
+
+def test_greedy_ngram_and_oracle_equal_plain_with_eos(policy):
+    plain = plain_generate(policy, PROMPTS, max_new_tokens=20, stop_tokens=())
+    ng = NgramDrafter(num_nodes=6, max_depth=3)
+    spec = speculative_generate(policy, PROMPTS, drafter=ng, depth=3, num_nodes=6, max_new_tokens=20,
+                                stop_tokens=())
+    assert spec.tokens == plain.tokens
+    assert max(spec.accept_lens) >= 1  # the random model repeats itself, so lookup drafts get accepted
+    oracle = _oracle(plain.tokens, 4, 9, CFG.vocab_size)
+    spec = speculative_generate(policy, PROMPTS, drafter=oracle, depth=4, num_nodes=9, max_new_tokens=20,
+                                stop_tokens=())
+    assert spec.tokens == plain.tokens
+    assert spec.steps <= 5 and spec.mean_accept > 4.0  # (20 - 1) / 5 tokens per verify: all accepted
+    # A stop token that occurs inside an accepted path: output truncated exactly as plain decoding truncates it.
+    stop = plain.tokens[2][6]
+    plain_eos = plain_generate(policy, PROMPTS, max_new_tokens=20, stop_tokens=(stop,))
+    assert len(plain_eos.tokens[2]) <= 7 and plain_eos.tokens[2][-1] == stop
+    spec_eos = speculative_generate(policy, PROMPTS, drafter=oracle, depth=4, num_nodes=9, max_new_tokens=20,
+                                    stop_tokens=(stop,))
+    assert spec_eos.tokens == plain_eos.tokens
+
+
+def test_sampled_speculative_reproduces_plain_sampling(policy, drafter):
+    """Keys are per (request, sample, position), so Rule S with any drafter emits the very tokens plain sampling
+    emits (up to floating point): a much stronger check than a distribution test, run for several drafters."""
+    kw = dict(max_new_tokens=16, temperature=1.0, top_k=0, top_p=0.9, seed=7, sample_ids=[0, 1, 2],
+              request_ids=[4, 4, 4], stop_tokens=())
+    plain = plain_generate(policy, PROMPTS, **kw)
+    oracle = _oracle(plain.tokens, 4, 9, CFG.vocab_size)
+    spec = speculative_generate(policy, PROMPTS, drafter=oracle, depth=4, num_nodes=9, **kw)
+    assert spec.tokens == plain.tokens and spec.mean_accept > 3.0
+    spec = speculative_generate(policy, PROMPTS, drafter=drafter, depth=3, topk=2, num_nodes=6, **kw)
+    assert spec.tokens == plain.tokens
+    ng = NgramDrafter(num_nodes=6, max_depth=3, group_ids=[0, 0, 0])
+    spec = speculative_generate(policy, PROMPTS, drafter=ng, depth=3, num_nodes=6, **kw)
+    assert spec.tokens == plain.tokens
+
+
+# ---------------------------------------------------------------------------------------------------------- n-gram
+
+
+def test_ngram_trees_are_well_formed():
+    ng = NgramDrafter(num_nodes=8, max_depth=3, max_ngram=3, stop_tokens=(99,), group_ids=[0, 0, 1])
+    contexts = [
+        [1, 2, 3, 4, 5, 1, 2, 3, 6, 7, 1, 2, 3],  # "1 2 3" continued by 4 5 1 and 6 7 1 -> two branches
+        [8, 2, 3, 99, 11, 12, 2, 3],  # own match stops at the stop token; sibling row 0 adds 4.. and 6..
+        [1, 2, 3],  # different group, nothing to match: root only
+    ]
+    tok, par, val = ng.propose(contexts)
+    tree = make_tree(tok, par, val, max_depth=3)
+    check_tree(tree)
+    paths = []
+    for b in range(3):
+        t, p, v = tok[b], par[b], val[b]
+        rows = []
+        for u in range(1, 8):
+            if v[u]:
+                seq, j = [], u
+                while j > 0:
+                    seq.append(int(t[j]))
+                    j = int(p[j])
+                rows.append(seq[::-1])
+        paths.append(rows)
+    assert [4, 5, 1] in paths[0] and [6, 7, 1] in paths[0]
+    assert [99] in paths[1] and not any(len(s) > 1 and s[0] == 99 for s in paths[1])  # nothing after the stop
+    assert [4, 5, 1] in paths[1] or [4, 5] in paths[1]  # drawn from the other sample of the same group
+    assert paths[2] == [] and val[2].sum() == 1
+    tok_i, _, val_i = ng.propose(contexts, active=np.array([True, False, True]))
+    assert val_i[1].sum() == 1 and tok_i[1, 0] == 3

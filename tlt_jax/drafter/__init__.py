@@ -1,0 +1,42 @@
+"""EAGLE drafter: module, loss and train step, save/load and EAGLE/SGLang export, offline warm-up (``warmup``)."""
+
+from tlt_jax.drafter.eagle import EagleDrafter, num_trainable_params
+from tlt_jax.drafter.export import eagle_config, export_eagle, import_eagle, load_drafter, save_drafter
+from tlt_jax.drafter.train import (
+    DrafterBatch,
+    LossConfig,
+    LossMetrics,
+    OptimConfig,
+    TrainState,
+    batch_sharding,
+    drafter_loss,
+    init_train_state,
+    make_optimizer,
+    make_train_step,
+    pack_sequences,
+    smooth_l1,
+    train_drafter,
+)
+
+__all__ = [
+    "DrafterBatch",
+    "EagleDrafter",
+    "LossConfig",
+    "LossMetrics",
+    "OptimConfig",
+    "TrainState",
+    "batch_sharding",
+    "drafter_loss",
+    "eagle_config",
+    "export_eagle",
+    "import_eagle",
+    "init_train_state",
+    "load_drafter",
+    "make_optimizer",
+    "make_train_step",
+    "num_trainable_params",
+    "pack_sequences",
+    "save_drafter",
+    "smooth_l1",
+    "train_drafter",
+]

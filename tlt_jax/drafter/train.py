@@ -1,0 +1,209 @@
+"""Drafter training: EAGLE loss over packed sequences and a pure, jitted (optionally sharded) AdamW step.
+
+loss = value_weight * SmoothL1(ĥ_{t+1}, h_{t+1}) + prob_weight * CE(softmax(lm_head(h_{t+1})), log_softmax(lm_head(ĥ)))
+masked to pairs whose input token x_{t+1} is a response token, normalised by the number of such pairs. Samples are
+packed into rows with segment ids: no attention across samples, positions are each sample's own positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tlt_jax.distributed.sharding import LogicalRules, state_shardings
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DrafterBatch:
+    """Packed training pairs, row-aligned: entry t of a row is the pair (h_t, x_{t+1}) with target h_{t+1}."""
+
+    next_tokens: jax.Array  # [B, T] int32: x_{t+1}
+    features: jax.Array  # [B, T, H]: h_t (policy final-normed hidden)
+    targets: jax.Array  # [B, T, H]: h_{t+1}
+    positions: jax.Array  # [B, T] int32
+    segment_ids: jax.Array  # [B, T] int32, 0 = padding
+    loss_mask: jax.Array  # [B, T] float32
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    value_weight: float = 1.0
+    prob_weight: float = 0.1
+    noise_std: float = 0.0  # EAGLE's uniform feature noise: (U(0,1) - 0.5) * noise_std * 512 / H
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 3e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 0.5
+
+
+def make_optimizer(cfg: OptimConfig = OptimConfig()) -> optax.GradientTransformation:
+    lr = cfg.learning_rate
+    if cfg.warmup_steps > 0:
+        lr = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+def pack_sequences(samples: Sequence[tuple[np.ndarray, np.ndarray, int]], row_len: int,
+                   num_rows: int | None = None) -> DrafterBatch:
+    """First-fit pack ``(token_ids [T], hidden [T, H], response_start)`` samples into rows of ``row_len`` pairs.
+
+    A sample gives T-1 pairs; a longer one is cropped to a ``row_len`` window starting just before its response.
+    Rows are padded (segment 0, no loss); ``num_rows`` fixes the row count (extra samples are dropped).
+    """
+    h = samples[0][1].shape[-1]
+    rows: list[list[tuple]] = []
+    fill: list[int] = []
+    for ids, hid, start in samples:
+        n = len(ids) - 1
+        if n < 1:
+            continue
+        s = int(np.clip(start - 1, 0, max(n - row_len, 0)))
+        e = min(n, s + row_len)
+        r = next((i for i, used in enumerate(fill) if used + e - s <= row_len), None)
+        if r is None:
+            if num_rows is not None and len(rows) >= num_rows:
+                continue
+            rows.append([])
+            fill.append(0)
+            r = len(rows) - 1
+        rows[r].append((np.asarray(ids), np.asarray(hid), int(start), s, e))
+        fill[r] += e - s
+    b = len(rows) if num_rows is None else num_rows
+    out = dict(
+        next_tokens=np.zeros((b, row_len), np.int32), features=np.zeros((b, row_len, h), np.float32),
+        targets=np.zeros((b, row_len, h), np.float32), positions=np.zeros((b, row_len), np.int32),
+        segment_ids=np.zeros((b, row_len), np.int32), loss_mask=np.zeros((b, row_len), np.float32),
+    )
+    for r, segs in enumerate(rows):
+        off = 0
+        for seg, (ids, hid, start, s, e) in enumerate(segs, start=1):
+            t = np.arange(s, e)
+            sl = slice(off, off + e - s)
+            out["next_tokens"][r, sl] = ids[t + 1]
+            out["features"][r, sl] = hid[t]
+            out["targets"][r, sl] = hid[t + 1]
+            out["positions"][r, sl] = t
+            out["segment_ids"][r, sl] = seg
+            out["loss_mask"][r, sl] = (t + 1 >= start).astype(np.float32)
+            off += e - s
+    return DrafterBatch(**out)
+
+
+class LossMetrics(NamedTuple):
+    loss: jax.Array
+    value_loss: jax.Array
+    prob_loss: jax.Array
+    top1: jax.Array  # draft argmax == policy argmax on masked pairs
+    tokens: jax.Array
+
+
+def smooth_l1(x: jax.Array) -> jax.Array:
+    """PyTorch SmoothL1Loss (beta 1) elementwise: 0.5 x^2 where |x| < 1, |x| - 0.5 elsewhere."""
+    a = jnp.abs(x)
+    return jnp.where(a < 1.0, 0.5 * x * x, a - 0.5)
+
+
+def drafter_loss(drafter, policy, batch: DrafterBatch, cfg: LossConfig = LossConfig(), key=None):
+    """Scalar loss and LossMetrics. The policy (embedding, LM head) is frozen: no gradient flows into it."""
+    policy = jax.lax.stop_gradient(policy)
+    feats = batch.features
+    if cfg.noise_std > 0 and key is not None:
+        u = jax.random.uniform(key, feats.shape, feats.dtype)
+        feats = feats + (u - 0.5) * cfg.noise_std * 512.0 / feats.shape[-1]
+    h_hat = drafter(policy, batch.next_tokens, feats, positions=batch.positions, segment_ids=batch.segment_ids)
+    mask = batch.loss_mask.astype(jnp.float32)
+    denom = jnp.maximum(mask.sum(), 1.0)
+    vloss = (smooth_l1(h_hat.astype(jnp.float32) - batch.targets.astype(jnp.float32)).mean(-1) * mask).sum() / denom
+    tgt = jax.nn.softmax(policy.logits_from_hidden(batch.targets).astype(jnp.float32), axis=-1)
+    logq = jax.nn.log_softmax(policy.logits_from_hidden(h_hat).astype(jnp.float32), axis=-1)
+    ploss = (-(tgt * logq).sum(-1) * mask).sum() / denom
+    top1 = ((jnp.argmax(logq, -1) == jnp.argmax(tgt, -1)) * mask).sum() / denom
+    loss = cfg.value_weight * vloss + cfg.prob_weight * ploss
+    return loss, LossMetrics(loss, vloss, ploss, top1, mask.sum())
+
+
+class TrainState(NamedTuple):
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array
+
+
+def init_train_state(drafter, optimizer: optax.GradientTransformation, mesh: Mesh | None = None,
+                     rules: LogicalRules = LogicalRules()) -> tuple[nnx.GraphDef, TrainState]:
+    """Split the drafter into (graphdef, params) and build the optimizer state. With a mesh, params are placed by
+    their logical axes, Adam moments follow their params, scalars are replicated."""
+    graphdef, params = nnx.split(drafter, nnx.Param)
+    params = jax.tree.map(jnp.copy, params)  # the step donates its state: never donate the caller's module
+    step = jnp.zeros((), jnp.int32)
+    if mesh is not None:
+        params = jax.device_put(params, state_shardings(params, mesh, rules))
+    opt_state = optimizer.init(params)
+    if mesh is not None:
+        rep = NamedSharding(mesh, PartitionSpec())
+        on_mesh = lambda x: isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+        opt_state = jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, rep), opt_state)
+        step = jax.device_put(step, rep)
+    return graphdef, TrainState(params, opt_state, step)
+
+
+def batch_sharding(mesh: Mesh, rules: LogicalRules = LogicalRules()) -> NamedSharding:
+    """Leading (batch) dimension on the data axes of the rules' 'batch' entry."""
+    return NamedSharding(mesh, PartitionSpec(rules.lookup("batch") or None))
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                    loss_cfg: LossConfig = LossConfig(), mesh: Mesh | None = None,
+                    rules: LogicalRules = LogicalRules()):
+    """A jitted ``step(state, policy, batch, key) -> (state, LossMetrics)``; with a mesh the batch is constrained
+    to the data axes and the state keeps its sharding."""
+
+    def step(state: TrainState, policy, batch: DrafterBatch, key):
+        if mesh is not None:
+            batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh, rules))
+
+        def loss_fn(params):
+            return drafter_loss(nnx.merge(graphdef, params), policy, batch, loss_cfg, key)
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def train_drafter(drafter, policy, batches: Sequence[DrafterBatch], steps: int, *,
+                  optim: OptimConfig = OptimConfig(), loss_cfg: LossConfig = LossConfig(), seed: int = 0,
+                  mesh: Mesh | None = None, log_every: int = 0, log=print):
+    """Run ``steps`` steps cycling over ``batches``; returns (trained drafter, list of LossMetrics as floats)."""
+    optimizer = make_optimizer(optim)
+    graphdef, state = init_train_state(drafter, optimizer, mesh)
+    if mesh is not None:
+        batches = [jax.device_put(b, batch_sharding(mesh)) for b in batches]
+    step_fn = make_train_step(graphdef, optimizer, loss_cfg, mesh)
+    key = jax.random.key(seed)
+    history = []
+    for i in range(steps):
+        state, m = step_fn(state, policy, batches[i % len(batches)], jax.random.fold_in(key, i))
+        history.append({k: float(v) for k, v in m._asdict().items()})
+        if log_every and (i % log_every == 0 or i == steps - 1):
+            h = history[-1]
+            log(f"step {i}: loss {h['loss']:.4f} value {h['value_loss']:.4f} prob {h['prob_loss']:.4f} "
+                f"top1 {h['top1']:.3f}")
+    return nnx.merge(graphdef, jax.device_get(state.params)), history

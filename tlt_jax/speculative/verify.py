@@ -1,0 +1,131 @@
+"""Lossless tree verification: one policy forward over the tree, a sample per node, the deepest matching path, commit.
+
+Rule S (docs/speculative_decoding.md §3.2): at every node draw a token from exactly the distribution plain decoding
+would use there (``processed_logprobs`` + Gumbel-max ``sample_from_logprobs``); a node is accepted iff it is valid,
+its token equals its parent's sample and all its ancestors are accepted. The emitted tokens are the samples along the
+deepest accepted path: the path's draft tokens and the bonus sample at its end. Greedy is temperature 0 (argmax).
+
+Randomness: the sample that would produce the token at absolute position q uses the key plain decoding uses for q
+(``token_keys(seed, request, sample, q)``), so all nodes of one depth share a key. This stays exact: only one node
+per depth lies on the realised path, and the key for depth d is independent of the keys of depths < d that decide
+whether that node is reached and of everything the tree was built from (earlier positions). It also makes
+speculative sampling reproduce plain sampling token for token (up to floating point), whatever the drafter.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.rollout.sampling import processed_logprobs, sample_from_logprobs, token_keys
+from tlt_jax.speculative.tree import Tree, _gather, ancestor_matrix, tree_positions
+
+
+class Acceptance(NamedTuple):
+    accepted: jax.Array  # [B, N] bool
+    deepest: jax.Array  # [B] node index of the deepest accepted node
+    accept_len: jax.Array  # [B] accepted draft tokens (depth of the deepest accepted node)
+    path: jax.Array  # [B, D+1] node ids root..deepest, padded with 0 past accept_len
+
+
+class VerifyOutput(NamedTuple):
+    tokens: jax.Array  # [B, D+1] emitted tokens, the first num_emitted valid, -1 after
+    logprobs: jax.Array  # [B, D+1] raw log_softmax of the policy logits at the parent node, 0 after
+    num_emitted: jax.Array  # [B] after stop-token / budget truncation (0 for inactive rows)
+    accept_len: jax.Array  # [B] accepted draft tokens before truncation (the acceptance metric)
+    finished: jax.Array  # [B] bool: a stop token was emitted or the budget is used up
+    root: jax.Array  # [B] the last emitted token: the next root (no KV yet)
+    path: jax.Array  # [B, D+1] node ids of the accepted path
+    hidden: jax.Array  # [B, D+1, H] policy features at the path nodes (the drafter's extend input)
+    cache: KVCache  # the policy cache with root + accepted path committed (num_emitted rows)
+
+
+def depth_keys(seed, request_ids, sample_ids, first_position, max_depth: int) -> jax.Array:
+    """[B, D+1] keys: entry d samples the token at absolute position first_position + d (the root's sample is d=0).
+
+    ``first_position`` [B] is the position plain decoding would key the next token by (committed length + 1 with
+    the convention that a token's key is its own position).
+    """
+    pos = jnp.asarray(first_position, jnp.int32)[:, None] + jnp.arange(max_depth + 1, dtype=jnp.int32)[None, :]
+    return token_keys(seed, jnp.asarray(request_ids)[:, None], jnp.asarray(sample_ids)[:, None], pos)
+
+
+def tree_forward(policy, cache: KVCache, tree: Tree, max_depth: int):
+    """One policy forward over the B x N tree tokens (committed prefix visible, tree mask, positions = len + depth)."""
+    mask = ancestor_matrix(tree, max_depth)
+    return policy(tree.tokens, positions=tree_positions(tree, cache.lengths), tree_mask=mask, cache=cache)
+
+
+def sample_tree(logits: jax.Array, tree: Tree, keys: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """[B, N] one sample per node from the processed distribution of its logits, keyed by the node's depth."""
+    b, n, _ = logits.shape
+    bcast = lambda x: jnp.broadcast_to(jnp.asarray(x).reshape(-1, 1) if jnp.ndim(x) else x, (b, n))
+    logp = processed_logprobs(logits, bcast(temperature), bcast(top_k), bcast(top_p))
+    node_keys = jnp.take_along_axis(keys, jnp.clip(tree.depth, 0, keys.shape[1] - 1), axis=1)
+    return sample_from_logprobs(node_keys, logp)
+
+
+def accept_tree(tree: Tree, samples: jax.Array, max_depth: int) -> Acceptance:
+    """Vectorised acceptance: node v accepted iff valid and tokens[v] == samples[parent(v)] along its whole path."""
+    parent_sample = _gather(samples, jnp.maximum(tree.parent, 0))
+    is_root = jnp.arange(tree.num_nodes)[None, :] == 0
+    match = is_root | (tree.valid & (tree.tokens == parent_sample))
+    anc = ancestor_matrix(tree, max_depth)
+    accepted = ~jnp.any(anc & ~match[:, None, :], axis=-1)
+    deepest = jnp.argmax(jnp.where(accepted, tree.depth, -1), axis=1).astype(jnp.int32)
+    accept_len = jnp.take_along_axis(tree.depth, deepest[:, None], axis=1)[:, 0]
+    on_path = _gather(anc, deepest[:, None])[:, 0]  # [B, N]
+    levels = jnp.arange(max_depth + 1, dtype=jnp.int32)
+    hit = on_path[:, None, :] & (tree.depth[:, None, :] == levels[None, :, None])
+    path = jnp.argmax(hit, axis=-1).astype(jnp.int32)  # [B, D+1]; 0 (root) where no node on that level
+    return Acceptance(accepted, deepest, accept_len, path)
+
+
+def truncate(tokens, n, stop_tokens, remaining, active):
+    """Emitted count after stopping exactly as plain decoding: up to and including the first stop token, at most
+    ``remaining`` tokens, 0 for inactive rows. Returns (count, finished)."""
+    width = tokens.shape[1]
+    pos = jnp.arange(width, dtype=jnp.int32)[None, :]
+    stop_tokens = jnp.asarray(stop_tokens, jnp.int32).reshape(-1)
+    is_stop = jnp.any(tokens[..., None] == stop_tokens[None, None, :], axis=-1) & (pos < n[:, None])
+    first_stop = jnp.min(jnp.where(is_stop, pos, width), axis=1)
+    count = jnp.minimum(jnp.minimum(n, first_stop + 1), remaining)
+    count = jnp.where(active, jnp.maximum(count, 0), 0).astype(jnp.int32)
+    finished = active & ((first_stop < count) | (count >= remaining))
+    return count, finished
+
+
+def verify_tree(policy, cache: KVCache, tree: Tree, keys, temperature, top_k, top_p, stop_tokens, remaining,
+                active, *, max_depth: int) -> VerifyOutput:
+    """Verify a tree for every row and commit the accepted path's KV (root + accepted nodes that precede the last
+    emitted token: the last emitted token is the next root and gets its KV when it is fed, as in plain decoding).
+
+    keys [B, D+1] from ``depth_keys``; temperature/top_k/top_p [B]; stop_tokens [S] (-1 pads); remaining [B] tokens
+    left in each row's budget (>= 1 for active rows); active [B] bool. The cache needs max_depth + 1 free slots.
+    """
+    out = tree_forward(policy, cache, tree, max_depth)
+    samples = sample_tree(out.logits, tree, keys, temperature, top_k, top_p)
+    acc = accept_tree(tree, samples, max_depth)
+    width = max_depth + 1
+    emitted = _gather(samples, acc.path)
+    count, finished = truncate(emitted, acc.accept_len + 1, stop_tokens, jnp.asarray(remaining), jnp.asarray(active))
+    keep = jnp.arange(width)[None, :] < count[:, None]
+    raw = jax.nn.log_softmax(_gather(out.logits, acc.path).astype(jnp.float32), axis=-1)
+    logprobs = jnp.take_along_axis(raw, emitted[..., None], axis=-1)[..., 0]
+    root = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    root = jnp.where(count > 0, root, tree.tokens[:, 0])
+    new_cache = cache.write(out.k_new, out.v_new, acc.path, count)
+    return VerifyOutput(
+        tokens=jnp.where(keep, emitted, -1),
+        logprobs=jnp.where(keep, logprobs, 0.0),
+        num_emitted=count,
+        accept_len=acc.accept_len,
+        finished=finished,
+        root=root,
+        path=acc.path,
+        hidden=_gather(out.hidden, acc.path),
+        cache=new_cache,
+    )
