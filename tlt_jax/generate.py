@@ -1,8 +1,9 @@
-"""Sample from a model: ``python -m tlt_jax.generate --model=PATH --prompt=TEXT [--num_samples=N ...]``.
+"""Sample from a model: ``python -m tlt_jax.generate --model=PATH --prompt=TEXT [--num_samples=N]
+[--drafter=PATH|ngram --spec_depth=8 --spec_topk=4 --spec_verify_tokens=48 --spec_threshold=32]``.
 
-Plain (non-speculative) KV-cached decoding with a jitted prefill and a jitted one-token step, compiled ahead of time
-so the reported tokens/s exclude compilation. The sampling here is deliberately minimal and local; the
-RolloutEngine (tlt_jax.rollout) is the real implementation and will replace it.
+Generation runs on the RolloutEngine (prompt once, fork n, K-step chunks; with a drafter, tree speculative decoding
+once at most ``--spec_threshold`` samples are live). Prints the samples, tokens/s (compilation excluded) and, with a
+drafter, the mean accept length (tokens emitted per verify step and sample).
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
-from flax import nnx
 
-from tlt_jax.models import DEFAULT_MODEL, CausalLM, KVCache, ModelLoadError, load_model_and_tokenizer
+from tlt_jax.drafter import load_drafter
+from tlt_jax.models import DEFAULT_MODEL, CausalLM, ModelLoadError, load_model_and_tokenizer
+from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
+
+_SPEC = SpecConfig()
 
 flags.DEFINE_string("model", DEFAULT_MODEL, "HF directory, .gguf file or alias (default: embedded SmolLM2-135M).")
 flags.DEFINE_string("tokenizer", None, "Tokenizer path if not the model's own.")
@@ -31,6 +35,13 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("num_samples", 1, "Samples of the same prompt (one prefill, forked).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and parameter dtype.")
+flags.DEFINE_string("drafter", None, "Speculative decoding: a saved EAGLE drafter directory, or 'ngram'.")
+flags.DEFINE_integer("spec_depth", _SPEC.depth, "Draft tree depth.")
+flags.DEFINE_integer("spec_topk", _SPEC.topk, "Children per expanded draft node (EAGLE-2).")
+flags.DEFINE_integer("spec_verify_tokens", _SPEC.verify_tokens, "Tree tokens verified per step, root included.")
+flags.DEFINE_integer("spec_threshold", _SPEC.threshold, "Speculative once at most this many samples are live.")
+flags.DEFINE_integer("spec_steps_per_call", _SPEC.steps_per_call, "EAGLE verify steps per host round trip.")
+flags.DEFINE_integer("chunk_size", 8, "Plain decode steps per host round trip.")
 
 
 @dataclasses.dataclass
@@ -41,6 +52,7 @@ class Generation:
     prefill_s: float
     decode_s: float
     decode_steps: int
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # the RolloutEngine's stats
 
     @property
     def new_tokens(self) -> int:
@@ -53,7 +65,8 @@ class Generation:
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
-    """Next token [B] from logits [B, V]: greedy at temperature 0, else temperature / top-k / top-p sampling."""
+    """Next token [B] from logits [B, V]: greedy at temperature 0, else temperature / top-k / top-p sampling (a small
+    standalone helper; generation itself samples with tlt_jax.rollout.sampling)."""
     if temperature <= 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature
@@ -80,58 +93,39 @@ def generate(
     seed: int = 0,
     num_samples: int = 1,
     eos_token_ids=(),
+    drafter=None,
+    spec: SpecConfig | None = None,
+    chunk_size: int = 8,
 ) -> Generation:
-    """Prefill the prompt once, fork it into ``num_samples`` rows, decode until EOS or ``max_new_tokens``."""
+    """Prefill the prompt once, fork it into ``num_samples`` rows, decode until EOS or ``max_new_tokens`` with the
+    RolloutEngine (tree speculative decoding with ``drafter`` = an EagleDrafter or "ngram" once at most
+    ``spec.threshold`` rows are live). Timings exclude compilation."""
     cfg = model.config
-    eos = np.asarray(sorted(set(eos_token_ids) | set(cfg.eos_token_ids)) or [-1], np.int32)
+    eos = sorted(set(eos_token_ids) | set(cfg.eos_token_ids))
     t = len(prompt_ids)
-    max_len = -(-(t + max_new_tokens) // 128) * 128
-    graphdef, state = nnx.split(model)
-    pick = lambda logits, key: sample_logits(logits, key, temperature, top_k, top_p)
-
-    def prefill(state, ids, key):
-        m = nnx.merge(graphdef, state)
-        cache = KVCache.zeros(cfg, 1, max_len, m.dtype)
-        out = m(ids, cache=cache, logits_indices=jnp.full((1, 1), t - 1, jnp.int32))
-        cache = cache.append(out.k_new, out.v_new).gather(jnp.zeros((num_samples,), jnp.int32))
-        logits = jnp.broadcast_to(out.logits[:, 0], (num_samples, out.logits.shape[-1]))
-        return pick(logits, jax.random.fold_in(key, 0)), cache
-
-    def step(state, tok, cache, key, i):
-        m = nnx.merge(graphdef, state)
-        out = m(tok[:, None], cache=cache)
-        return pick(out.logits[:, -1], jax.random.fold_in(key, i)), cache.append(out.k_new, out.v_new)
-
-    key = jax.random.key(seed)
-    ids = jnp.asarray([prompt_ids], jnp.int32)
-    t0 = time.perf_counter()
-    prefill_c = jax.jit(prefill).lower(state, ids, key).compile()
-    tok_shape = jax.ShapeDtypeStruct((num_samples,), jnp.int32)
-    cache_shape = jax.eval_shape(lambda: KVCache.zeros(cfg, num_samples, max_len, model.dtype))
-    step_c = jax.jit(step, donate_argnums=(2,)).lower(state, tok_shape, cache_shape, key, jnp.int32(0)).compile()
-    compile_s = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    tok, cache = prefill_c(state, ids, key)
-    host = np.asarray(tok)
-    prefill_s = time.perf_counter() - t0
-    out = [host]
-    done = np.isin(host, eos)
-    t0 = time.perf_counter()
-    steps = 0
-    while len(out) < max_new_tokens and not done.all():
-        steps += 1
-        tok, cache = step_c(state, tok, cache, key, jnp.int32(steps))
-        host = np.asarray(tok)
-        out.append(host)
-        done |= np.isin(host, eos)
-    decode_s = time.perf_counter() - t0
-
-    tokens = []
-    for row in np.stack(out, axis=1).tolist():
-        hit = next((i for i, x in enumerate(row) if x in eos), None)
-        tokens.append(row if hit is None else row[: hit + 1])
-    return Generation(tokens, t, compile_s, prefill_s, decode_s, steps)
+    engine = RolloutEngine(
+        model,
+        drafter=drafter,
+        spec=spec,
+        max_batch=num_samples,
+        max_len=-(-(t + max_new_tokens) // 128) * 128,
+        chunk_size=chunk_size,
+        max_stop_tokens=max(1, len(eos)),
+    )
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        n=num_samples,
+        stop_token_ids=eos,
+        seed=seed,
+    )
+    res = engine.generate([prompt_ids], params)
+    st = res.stats
+    return Generation(
+        res.tokens[0], t, st["compile_seconds_this_call"], st["prefill_seconds"], st["decode_seconds"], st["steps"], st
+    )
 
 
 def main(argv):
@@ -151,25 +145,45 @@ def main(argv):
         ]
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
     ids = tok.encode(text)
-    res = generate(
-        model,
-        ids,
-        max_new_tokens=f.max_new_tokens,
-        temperature=f.temperature,
-        top_k=f.top_k,
-        top_p=f.top_p,
-        seed=f.seed,
-        num_samples=f.num_samples,
-        eos_token_ids=tok.eos_token_ids,
-    )
+    drafter, spec = None, None
+    if f.drafter:
+        try:
+            spec = SpecConfig(f.spec_depth, f.spec_topk, f.spec_verify_tokens, f.spec_threshold, f.spec_steps_per_call)
+            drafter = "ngram" if f.drafter == "ngram" else load_drafter(f.drafter, dtype)
+        except (ValueError, OSError) as e:
+            sys.exit(f"error: --drafter={f.drafter}: {e}")
+    try:
+        res = generate(
+            model,
+            ids,
+            max_new_tokens=f.max_new_tokens,
+            temperature=f.temperature,
+            top_k=f.top_k,
+            top_p=f.top_p,
+            seed=f.seed,
+            num_samples=f.num_samples,
+            eos_token_ids=tok.eos_token_ids,
+            drafter=drafter,
+            spec=spec,
+            chunk_size=f.chunk_size,
+        )
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     for i, row in enumerate(res.tokens):
         print(f"--- sample {i} ({len(row)} tokens)")
         print(tok.decode(row, skip_special_tokens=True))
+    st = res.stats
     print(
         f"--- load {load_s:.2f} s | compile {res.compile_s:.2f} s (excluded below) | prefill {res.prompt_tokens} "
         f"tokens in {res.prefill_s * 1e3:.1f} ms | decode {res.new_tokens} new tokens, {res.decode_steps} steps in "
         f"{res.decode_s:.2f} s = {res.decode_tokens_per_s:.1f} tokens/s (batch {f.num_samples}, excluding compile)"
     )
+    if spec is not None:
+        print(
+            f"--- speculative ({st['spec']['arm']}): mean accept length {st['mean_accept_length']:.2f} tokens per "
+            f"verify step and sample, {st['verify_steps']} verify steps | SD on {st['sd_on_seconds']:.2f} s, off "
+            f"{st['sd_off_seconds']:.2f} s | {st['tokens_per_s']:.1f} tokens/s overall (prefill + decode)"
+        )
 
 
 if __name__ == "__main__":

@@ -6,12 +6,16 @@ Host loop (one device→host read per round trip: done flags + generated counts)
 
     prefill+fork (B rows) → [decode chunk (≤K steps) → read info → drop finished rows / compact]* → harvest
 
-Requests larger than ``max_batch`` rows run in consecutive waves of at most ``max_batch`` rows (no refill of
-freed slots inside a wave). Decode-state layout: see ``tlt_jax.rollout.state``.
+With a drafter and a ``SpecConfig`` a chunk is a speculative round trip once the wave's live rows are at most
+``spec.threshold`` (tree draft → lossless verify → commit; see ``tlt_jax.rollout.speculative``); the switch re-runs
+nothing, the state carries over. Requests larger than ``max_batch`` rows run in consecutive waves of at most
+``max_batch`` rows (no refill of freed slots inside a wave). Decode-state layout: see ``tlt_jax.rollout.state``.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +31,7 @@ from tlt_jax.models import CausalLM
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.params import HiddenCapture, RolloutResult, SamplingParams
 from tlt_jax.rollout.pool import StepKey, StepPool
+from tlt_jax.rollout.speculative import SpecConfig, propose_ngram, register_spec, resolve_drafter
 from tlt_jax.rollout.state import RowInit
 from tlt_jax.rollout.steps import StepContext, register_plain
 
@@ -43,6 +48,11 @@ class RolloutEngine:
     place; may be changed between calls). tail_threshold: chunks with at most this many live rows count as tail.
     capture: keep hidden states of a window of every finished sample (see HiddenCapture; its max_bytes may be
     changed between calls, window and side are compiled in). compiler_options: passed to every XLA compile.
+    drafter: None, an EagleDrafter (its KV cache is kept current during plain decoding, then it drafts EAGLE-2
+    trees on device), or "ngram" (trees from the row's prompt + output and its GRPO siblings, built on the host).
+    spec: the tree shape and the switch threshold (default SpecConfig() when a drafter is given); ``spec.threshold``
+    may be changed between calls (``engine.spec = dataclasses.replace(engine.spec, threshold=...)``: a host-side
+    decision), the tree shape is compiled in.
     """
 
     def __init__(
@@ -50,6 +60,8 @@ class RolloutEngine:
         model: CausalLM,
         mesh: Mesh | None = None,
         *,
+        drafter: Any = None,
+        spec: SpecConfig | None = None,
         max_batch: int = 64,
         max_len: int | None = None,
         chunk_size: int = 8,
@@ -83,7 +95,12 @@ class RolloutEngine:
         self.tail_threshold = int(tail_threshold)
         self.capture = capture
         self.max_stop_tokens = int(max_stop_tokens)
+        self.drafter_kind, self.spec, drafter = resolve_drafter(drafter, spec, cfg)
         self.graphdef, self.params = nnx.split(shard_module(model, self.mesh, rules))
+        self.ngram = drafter if self.drafter_kind == "ngram" else None
+        self.drafter_graphdef, self.drafter_params = None, None
+        if self.drafter_kind == "eagle":
+            self.drafter_graphdef, self.drafter_params = nnx.split(shard_module(drafter, self.mesh, rules))
         self.ctx = StepContext(
             graphdef=self.graphdef,
             config=cfg,
@@ -95,9 +112,14 @@ class RolloutEngine:
             cache_dtype=model.dtype,
             mesh=self.mesh,
             rules=rules,
+            drafter_graphdef=self.drafter_graphdef,
+            drafter_len=self.spec.drafter_len(self.max_len) if self.drafter_kind == "eagle" else 0,
+            report_tokens=self.drafter_kind == "ngram",
         )
         self.pool = StepPool(pool_budget, compiler_options)
         register_plain(self.pool, self.ctx)
+        self.spec_arm = register_spec(self.pool, self.ctx, self.spec, self.drafter_kind) if self.spec else None
+        self._tree_shape = self._shape_of(self.spec)
         if precompile:
             self.precompile()
 
@@ -110,25 +132,63 @@ class RolloutEngine:
             raise ValueError("set_params: the new model's structure differs from the engine's model")
         self.params = params
 
+    def set_drafter(self, drafter) -> None:
+        """Publish new EAGLE drafter weights (same structure): compiled steps stay valid."""
+        if self.drafter_kind != "eagle":
+            raise ValueError("set_drafter: this engine has no EAGLE drafter")
+        graphdef, params = nnx.split(shard_module(drafter, self.mesh, self.rules))
+        if graphdef != self.drafter_graphdef:
+            raise ValueError("set_drafter: the new drafter's structure differs from the engine's drafter")
+        self.drafter_params = params
+
+    @staticmethod
+    def _shape_of(spec: SpecConfig | None):
+        return None if spec is None else dataclasses.replace(spec, threshold=0)
+
+    def step_params(self) -> Any:
+        """The params pytree every compiled step takes: the policy state, or (policy, drafter) with EAGLE."""
+        return self.params if self.drafter_graphdef is None else (self.params, self.drafter_params)
+
     def arm_for(self, active: int, batch: int) -> str:
-        """Decode arm for the next chunk ("plain"; a speculative engine switches arms once the batch is small)."""
+        """Decode arm for the next chunk: the speculative arm once at most ``spec.threshold`` rows are live."""
+        if self.spec is not None and active <= self.spec.threshold:
+            return self.spec_arm
         return "plain"
 
-    def precompile(self, arms: Sequence[str] = ("plain",)) -> None:
-        """Compile every (decode, batch bucket, length bucket, arm) and compaction step ahead of time."""
+    def precompile(self, arms: Sequence[str] | None = None) -> None:
+        """Compile every (decode or verify, batch bucket, length bucket, arm) and compaction step ahead of time
+        (default arms: plain and the speculative arm; verify only for buckets the threshold can reach)."""
         rep = self.ctx.replicated()
+        if arms is None:
+            arms = ("plain",) + ((self.spec_arm,) if self.spec else ())
+        tail = self.max_batch
+        if self.spec is not None and self.compaction:  # speculative steps only run in buckets the threshold reaches
+            tail = bk.pick(self.batch_buckets, max(1, min(self.spec.threshold, self.max_batch)))
         for arm in arms:
             for b in self.batch_buckets:
                 state = self.ctx.abstract_state(b)
+                if arm != "plain" and b > tail:
+                    continue
                 for length in self.length_buckets:
-                    self.pool.compile(StepKey("decode", b, length, arm), self.params, state)
-                if not self.compaction:
+                    if arm == "plain":
+                        self.pool.compile(StepKey("decode", b, length, arm), self.step_params(), state)
+                    else:
+                        self.pool.compile(StepKey("verify", b, length, arm), *self._verify_abstract(b, state))
+                if not self.compaction or arm != "plain":
                     continue
                 for dst in self.batch_buckets:
                     if dst < b:
                         idx = jax.ShapeDtypeStruct((dst,), jnp.int32, sharding=rep)
                         ok = jax.ShapeDtypeStruct((dst,), jnp.bool_, sharding=rep)
                         self.pool.compile(StepKey("compact", dst, 0, "plain", (b,)), state, idx, ok)
+
+    def _verify_abstract(self, b: int, state) -> tuple:
+        if self.drafter_kind != "ngram":
+            return self.step_params(), state
+        shape = (b, self.spec.verify_tokens)
+        sh = self.ctx.batch_sharding(shape)
+        tree = [jax.ShapeDtypeStruct(shape, dt, sharding=sh) for dt in (jnp.int32, jnp.int32, jnp.bool_)]
+        return (self.step_params(), state, *tree)
 
     # ---- validation -------------------------------------------------------------------------------------------
 
@@ -184,11 +244,20 @@ class RolloutEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, request_ids: Sequence[int] | None = None
     ) -> RolloutResult:
         """Sample ``params.n`` completions per prompt. ``request_ids`` (default 0..N-1) name the prompts for the
-        counter-based keys: the same (seed, request id, sample index) gives the same tokens in any batch."""
+        counter-based keys: the same (seed, request id, sample index) gives the same tokens in any batch, with or
+        without speculative decoding.
+
+        stats: steps (decode steps + verify steps), tokens_per_s (generated tokens / (prefill + decode seconds),
+        compilation excluded), arms (chunks per arm), sd_on_seconds / sd_off_seconds (speculative / plain chunks,
+        n-gram tree building included), verify_steps, mean_accept_length (tokens emitted per verify step and live
+        row), spec (arm, drafter, threshold, switches: live rows / batch / seconds into the wave when tree decoding
+        switched on, accepted drafts), chunks (per round trip), prefills, compactions, by_batch, pool counters."""
         prompts, max_new, request_ids = self._validate(prompts, params, request_ids)
         cap = self.capture
         if (cap.window if cap else 0) != self.ctx.capture_window or (cap and cap.side != self.ctx.capture_side):
             raise ValueError("capture: only max_bytes may change after construction (window and side are compiled in)")
+        if self._shape_of(self.spec) != self._tree_shape:
+            raise ValueError("spec: only threshold may change after construction (the tree shape is compiled in)")
         t_start = time.perf_counter()
         pool0 = self.pool.counters()
         n = int(params.n)
@@ -222,7 +291,10 @@ class _Run:
         self.chunks: list[dict] = []
         self.prefills: list[dict] = []
         self.compactions: list[dict] = []
+        self.switches: list[dict] = []
         self.steps = 0
+        # n-gram drafting: every sample's generated tokens so far, kept from the info of each call (no extra read).
+        self.gen: list[list[int]] | None = [[] for _ in range(n_total)] if engine.ngram is not None else None
 
     def _put(self, x: np.ndarray, replicated: bool = False):
         sh = self.e.ctx.replicated() if replicated else self.e.ctx.batch_sharding(x.shape)
@@ -265,7 +337,7 @@ class _Run:
             sample_id=col([j for _, j in rows], np.int32, 0),
             stop_ids=np.broadcast_to(self.stop_row, (b, e.max_stop_tokens)).copy(),
         )
-        args = (e.params, self._put(ids), self._put(lens), jax.tree.map(self._put, init))
+        args = (e.step_params(), self._put(ids), self._put(lens), jax.tree.map(self._put, init))
         exe = e.pool.get(StepKey("prefill", b, p_bucket, "plain", (bp,)), *args)
         t0 = time.perf_counter()
         state, info = exe(*args)
@@ -273,9 +345,11 @@ class _Run:
         self.prefills.append(
             dict(batch=b, prompts=bp, length=p_bucket, seconds=time.perf_counter() - t0, tokens=int(info[1].sum()))
         )
+        self._keep_tokens(info, 2, np.zeros((b,), np.int64), slots)
         plen_row = np.array([len(self.prompts[i]) for i in prompt_of], np.int64)
         maxnew_row = np.array(init.max_new, np.int64)
         k = e.chunk_size
+        wave_t0, spec_on = time.perf_counter(), False
         while True:
             done, ngen = info[0].astype(bool), info[1].astype(np.int64)
             real = slots >= 0
@@ -301,21 +375,76 @@ class _Run:
                 b = nb
                 live = ~done
             committed = plen_row + ngen - 1
-            need = int(np.max(np.minimum(committed + k - 1, plen_row + maxnew_row - 1)[live]))
-            length = bk.pick(e.length_buckets, max(need, 1))
             arm = e.arm_for(n_live, b)
-            exe = e.pool.get(StepKey("decode", b, length, arm), e.params, state)
+            if arm != "plain" and not spec_on:
+                spec_on = True
+                self.switches.append(dict(active=n_live, batch=b, after_seconds=time.perf_counter() - wave_t0))
+            # Cache positions a call reads: the committed length at its last (decode or verify) step.
+            ahead = k - 1 if arm == "plain" else (self._spec_steps() - 1) * (e.spec.depth + 1)
+            need = int(np.max(np.minimum(committed + ahead, plen_row + maxnew_row - 1)[live]))
+            length = bk.pick(e.length_buckets, max(need, 1))
             t0 = time.perf_counter()
-            state, info = exe(e.params, state)
+            if arm == "plain":
+                key, args = StepKey("decode", b, length, arm), (e.step_params(), state)
+            elif e.ngram is not None:
+                tree = self._ngram_trees(live, slots)
+                key, args = StepKey("verify", b, length, arm), (e.step_params(), state, *map(self._put, tree))
+            else:
+                key, args = StepKey("verify", b, length, arm), (e.step_params(), state)
+            host_s = time.perf_counter() - t0
+            exe = e.pool.get(key, *args)
+            t0 = time.perf_counter()
+            state, info = exe(*args)
             info = np.asarray(jax.device_get(info))
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0 + host_s
             emitted = info[1].astype(np.int64) - ngen
-            self.steps += int(emitted.max(initial=0))
-            self.chunks.append(
-                dict(batch=b, active=n_live, length=length, arm=arm, seconds=dt, tokens=int(emitted.sum()))
-            )
+            chunk = dict(batch=b, active=n_live, length=length, arm=arm, seconds=dt, tokens=int(emitted.sum()))
+            if arm == "plain":
+                self.steps += int(emitted.max(initial=0))
+                self._keep_tokens(info, 2, ngen, slots)
+            else:
+                self.steps += int(info[2].max(initial=0))
+                chunk.update(
+                    verify_steps=int(info[2].max(initial=0)),
+                    row_verifies=int(info[2].sum()),
+                    accepted=int(info[3].sum()),
+                    host_seconds=host_s,
+                )
+                self._keep_tokens(info, 4, ngen, slots)
+            self.chunks.append(chunk)
         done, ngen = info[0].astype(bool), info[1].astype(np.int64)
         self._harvest(state, slots >= 0, slots, ngen)
+
+    def _spec_steps(self) -> int:
+        return 1 if self.e.ngram is not None else self.e.spec.steps_per_call
+
+    def _keep_tokens(self, info: np.ndarray, row0: int, ngen_before: np.ndarray, slots: np.ndarray) -> None:
+        """n-gram drafting: append each row's newly emitted tokens (info rows row0..) to its sample's history."""
+        if self.gen is None:
+            return
+        new = info[1].astype(np.int64) - ngen_before
+        for r in np.nonzero((new > 0) & (slots >= 0))[0]:
+            self.gen[slots[r]].extend(info[row0 : row0 + new[r], r].tolist())
+
+    def _ngram_trees(self, live: np.ndarray, slots: np.ndarray):
+        """Host n-gram trees for the batch: sources are each row's prompt + output and its GRPO group's other
+        samples (rows in the batch, and samples already finished or compacted away)."""
+        n = self.params.n
+        contexts, groups = [], []
+        for r, slot in enumerate(slots):
+            if slot < 0:
+                contexts.append(np.zeros((1,), np.int64))
+                groups.append(-1 - r)
+            else:
+                contexts.append(np.asarray(self.prompts[slot // n] + self.gen[slot], np.int64))
+                groups.append(int(slot // n))
+        in_batch = set(slots[slots >= 0].tolist())
+        for i in sorted({int(slots[r] // n) for r in np.nonzero(live)[0]}):
+            for slot in range(i * n, (i + 1) * n):
+                if slot not in in_batch and self.gen[slot]:
+                    contexts.append(np.asarray(self.prompts[i] + self.gen[slot], np.int64))
+                    groups.append(i)
+        return propose_ngram(self.e.ngram, self.e.spec, contexts, groups, live, tuple(sorted(self.stops)))
 
     def _harvest(self, state, finished: np.ndarray, slots: np.ndarray, ngen: np.ndarray) -> None:
         """Keep (on device, copying to host in the background) the outputs of rows that finished."""
@@ -379,13 +508,36 @@ class _Run:
             d["chunks"] += 1
         for d in by_batch.values():
             d["tokens_per_s"] = d["tokens"] / d["seconds"] if d["seconds"] > 0 else 0.0
+        spec = [c for c in self.chunks if c["arm"] != "plain"]
+        on_s = sum(c["seconds"] for c in spec)
+        row_verifies = sum(c["row_verifies"] for c in spec)
+        spec_tokens = sum(c["tokens"] for c in spec)
+        prefill_s = sum(p["seconds"] for p in self.prefills)
+        total = int(self.final_n.sum())
         return dict(
             steps=self.steps,
+            tokens_per_s=total / (prefill_s + decode_s) if prefill_s + decode_s > 0 else 0.0,
+            arms=dict(collections.Counter(c["arm"] for c in self.chunks)),
+            sd_on_seconds=on_s,
+            sd_off_seconds=decode_s - on_s,
+            verify_steps=sum(c["verify_steps"] for c in spec),
+            mean_accept_length=spec_tokens / row_verifies if row_verifies else 0.0,
+            spec=dict(
+                arm=e.spec_arm,
+                drafter=e.drafter_kind,
+                threshold=e.spec.threshold if e.spec else None,
+                switches=self.switches,
+                row_verifies=row_verifies,
+                accepted_drafts=sum(c["accepted"] for c in spec),
+                mean_accepted_drafts=sum(c["accepted"] for c in spec) / row_verifies if row_verifies else 0.0,
+                tokens=spec_tokens,
+                host_seconds=sum(c["host_seconds"] for c in spec),
+            ),
             chunk_size=e.chunk_size,
             chunks=self.chunks,
             prefills=self.prefills,
             compactions=self.compactions,
-            prefill_seconds=sum(p["seconds"] for p in self.prefills),
+            prefill_seconds=prefill_s,
             decode_seconds=decode_s,
             decode_tokens=sum(c["tokens"] for c in self.chunks),
             by_batch=dict(sorted(by_batch.items(), reverse=True)),

@@ -17,8 +17,10 @@ NS = stop-token slots, W = hidden-capture window). Every field has the batch on 
   logprobs       [B, M] f32     log_softmax of the raw policy logits at each emitted token
   hidden         [B, W, H] f32 or None   final-normed hidden state that produced generated token i, at slot
                              i % W (side "last", a ring) or i (side "first", i < W)
-  aux            None, or an extension pytree (e.g. drafter state for speculative arms): leaves with the batch on
-                 axis 0, or KVCache instances (batch on axis 1); compaction gathers it like the rest
+  aux            None, or an extension pytree: leaves with the batch on axis 0, or KVCache instances (batch on axis 1);
+                 compaction gathers it like the rest. With an EAGLE drafter: its DraftState (1-layer KV cache
+                 [1, B, S + tree scratch, KV, D] with lengths = cache.lengths, and the feature [B, H] that ranks the
+                 next root's children), kept current by every prefill, decode and verify step
 
 A token's position in its sequence is prompt_len + i for generated token i; its random key is
 token_keys(seed, request_id, sample_id, position).

@@ -6,7 +6,14 @@
   only the first Lb cache positions (``cache.view``); done rows are frozen.
 - compact: gather surviving rows into a smaller batch bucket (padding rows marked done).
 
-Every step returns (state, info [2, B] int32 = done, num_generated): the one host read per round trip.
+With an EAGLE drafter (``StepContext.drafter_graphdef``) the steps take params = (policy state, drafter state) and keep
+the drafter's KV cache (``DecodeState.aux``, a DraftState) current: prefill extends it over the prompt, every plain
+decode step appends the pair (policy hidden of the fed token, sampled token), so speculative steps can start at any
+point without re-running the policy. With ``report_tokens`` (host-side n-gram drafting) info also carries the tokens
+the call emitted.
+
+Every step returns (state, info [2(+R), B] int32 = done, num_generated[, R emitted tokens]): the one host read per
+round trip.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from tlt_jax.models import KVCache, ModelConfig
 from tlt_jax.rollout.pool import StepKey, StepPool
 from tlt_jax.rollout.sampling import processed_logprobs, sample_from_logprobs, token_keys
 from tlt_jax.rollout.state import DecodeState, RowInit, empty_state, gather_rows, tree_shardings
+from tlt_jax.speculative.tree import DraftState, drafter_extend, init_draft_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,18 +48,31 @@ class StepContext:
     cache_dtype: Any
     mesh: Mesh
     rules: LogicalRules
+    drafter_graphdef: Any = None  # EAGLE drafter kept current during plain decoding; params = (policy, drafter)
+    drafter_len: int = 0  # drafter cache slots (max_len + tree scratch); 0 = no drafter state
+    report_tokens: bool = False  # info carries the emitted tokens (host-side drafters need the contexts)
+
+    def merge(self, params) -> tuple[Any, Any]:
+        """(policy, drafter or None) modules from the step's params pytree."""
+        if self.drafter_graphdef is None:
+            return nnx.merge(self.graphdef, params), None
+        return nnx.merge(self.graphdef, params[0]), nnx.merge(self.drafter_graphdef, params[1])
+
+    def empty_state(self, batch: int) -> DecodeState:
+        state = empty_state(
+            self.config,
+            batch,
+            self.max_len,
+            num_stop=self.num_stop,
+            capture_window=self.capture_window,
+            dtype=self.cache_dtype,
+        )
+        if self.drafter_len:
+            state = state.replace(aux=init_draft_state(self.config, batch, self.drafter_len, self.cache_dtype))
+        return state
 
     def abstract_state(self, batch: int) -> DecodeState:
-        shapes = jax.eval_shape(
-            lambda: empty_state(
-                self.config,
-                batch,
-                self.max_len,
-                num_stop=self.num_stop,
-                capture_window=self.capture_window,
-                dtype=self.cache_dtype,
-            )
-        )
+        shapes = jax.eval_shape(lambda: self.empty_state(batch))
         shardings = self.state_shardings(shapes)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
@@ -110,14 +131,47 @@ def record(state: DecodeState, tok: jax.Array, logits: jax.Array, hidden: jax.Ar
     )
 
 
-def decode_one(model, state: DecodeState, length: int, side: str) -> DecodeState:
-    """One plain decode step over every row; attention reads only cache positions < ``length``."""
+def decode_one(model, state: DecodeState, length: int, side: str, drafter=None) -> DecodeState:
+    """One plain decode step over every row; attention reads only cache positions < ``length``. With a drafter,
+    its cache gets the pair (hidden of the fed token, sampled token) of every active row."""
     active = ~state.done
     out = model(state.last_token[:, None], cache=state.cache.view(length))
     logits = out.logits[:, 0].astype(jnp.float32)
     tok = choose_tokens(logits, state, state.cache.lengths + 1)
     cache = state.cache.append(out.k_new, out.v_new, active.astype(jnp.int32))
-    return record(state.replace(cache=cache), tok, logits, out.hidden[:, 0], side)
+    new = record(state.replace(cache=cache), tok, logits, out.hidden[:, 0], side)
+    if drafter is not None:
+        aux = drafter_extend(
+            model, drafter, state.aux, out.hidden, tok[:, None], active.astype(jnp.int32), attend_len=length
+        )
+        new = new.replace(aux=aux)
+    return new
+
+
+def step_info(state: DecodeState, ngen_before: jax.Array | None = None, width: int = 0) -> jax.Array:
+    """[2 + width, B] int32: done, num_generated, then (with width) the tokens emitted since ``ngen_before``
+    (-1 padded): what the host reads back after a call."""
+    info = state.info()
+    if not width:
+        return info
+    idx = ngen_before[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    tok = jnp.take_along_axis(state.tokens, jnp.clip(idx, 0, state.tokens.shape[1] - 1), axis=1)
+    tok = jnp.where(idx < state.num_generated[:, None], tok, -1)
+    return jnp.concatenate([info, tok.T.astype(jnp.int32)], axis=0)
+
+
+def _prefill_drafter(ctx: StepContext, model, drafter, out, ids, lens, init: RowInit, hidden, tok) -> DraftState:
+    """Drafter cache over the prompt: pairs (h_t, x_{t+1}) for t < P-1 once per prompt, forked into the rows, then
+    each row's pair (h_{P-1}, first sampled token)."""
+    bp, p = ids.shape
+    nxt = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
+    ds = init_draft_state(ctx.config, bp, p, ctx.cache_dtype)
+    ds = drafter_extend(model, drafter, ds, out.hidden, nxt, lens - 1)
+    forked = ds.cache.gather(init.src)
+    pad = ((0, 0), (0, 0), (0, ctx.drafter_len - p), (0, 0), (0, 0))
+    cache = KVCache(jnp.pad(forked.k, pad), jnp.pad(forked.v, pad), forked.lengths)
+    ds = DraftState(cache, ds.feature[init.src])
+    return drafter_extend(model, drafter, ds, hidden[:, None], tok[:, None], init.valid.astype(jnp.int32), attend_len=p)
 
 
 def build_prefill(ctx: StepContext, key: StepKey):
@@ -125,7 +179,7 @@ def build_prefill(ctx: StepContext, key: StepKey):
     cfg, s_max = ctx.config, ctx.max_len
 
     def step(params, ids, lens, init: RowInit):
-        model = nnx.merge(ctx.graphdef, params)
+        model, drafter = ctx.merge(params)
         bp, p = ids.shape
         mask = jnp.arange(p)[None, :] < lens[:, None]
         out = model(ids, attention_mask=mask, logits_indices=(lens - 1)[:, None])
@@ -154,8 +208,10 @@ def build_prefill(ctx: StepContext, key: StepKey):
             hidden=jnp.zeros((b, ctx.capture_window, cfg.hidden_size), jnp.float32) if ctx.capture_window else None,
         )
         tok = choose_tokens(logits, state, cache.lengths)
+        if drafter is not None:
+            state = state.replace(aux=_prefill_drafter(ctx, model, drafter, out, ids, lens, init, hidden, tok))
         state = record(state, tok, logits, hidden, ctx.capture_side)
-        return state, state.info()
+        return state, step_info(state, jnp.zeros_like(lens[init.src]), int(ctx.report_tokens))
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
     return jax.jit(step, out_shardings=out_sh)
@@ -166,7 +222,8 @@ def build_decode(ctx: StepContext, key: StepKey):
     k, length = ctx.chunk_size, key.length
 
     def step(params, state: DecodeState):
-        model = nnx.merge(ctx.graphdef, params)
+        model, drafter = ctx.merge(params)
+        ngen = state.num_generated
 
         def cond(c):
             i, s = c
@@ -174,10 +231,10 @@ def build_decode(ctx: StepContext, key: StepKey):
 
         def body(c):
             i, s = c
-            return i + 1, decode_one(model, s, length, ctx.capture_side)
+            return i + 1, decode_one(model, s, length, ctx.capture_side, drafter)
 
         _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-        return state, state.info()
+        return state, step_info(state, ngen, k if ctx.report_tokens else 0)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
     return jax.jit(step, donate_argnums=(1,), out_shardings=out_sh)
