@@ -1,0 +1,127 @@
+"""Config files load and validate; unknown keys, wrong types and invalid values give errors that name the key."""
+
+import json
+import pathlib
+
+import ml_collections
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from tlt_jax.config import Config, ConfigError, from_config_dict, to_config_dict, to_json
+
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def _parse(argv):
+    """absl + config_flags exactly as tlt_jax.main uses them (overrides are read from argv)."""
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True, sys_argv=argv)
+    fv(argv)
+    return fv.config
+
+
+def _load(name):
+    return _parse(["prog", f"--config={CONFIGS / name}"])
+
+
+@pytest.mark.parametrize("name", ["base.py", "tiny.py", "gsm8k.py"])
+def test_config_files_validate(name):
+    cfg = from_config_dict(_load(name))
+    assert isinstance(cfg, Config)
+    assert cfg.rollout.samples_per_prompt >= 2
+    # Every config documents its exact command.
+    text = (CONFIGS / name).read_text()
+    assert "python -m tlt_jax.main --config=configs/" in text
+
+
+def test_qwen_config_needs_paths_and_has_tlt_defaults():
+    cd = _load("qwen2p5_7b_gsm8k.py")
+    with pytest.raises(ConfigError, match="config.model.path"):
+        from_config_dict(cd)
+    cd.model.path = "/models/Qwen2.5-7B"
+    cd.data.train_path = "/data/gsm8k/train.parquet"
+    cfg = from_config_dict(cd)
+    assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt) == (64, 8)
+    assert cfg.rollout.temperature == 0.9 and cfg.optim.lr == 1e-6
+    assert (cfg.rl.kl_coef, cfg.rl.kl_kind) == (0.001, "low_var_kl")
+    assert cfg.updates_per_step == 16
+
+
+def test_command_line_overrides_and_locked_unknown_key():
+    tiny = f"--config={CONFIGS / 'tiny.py'}"
+    cd = _parse(["prog", tiny, "--config.optim.lr=0.5", "--config.train.debug_nan_steps=(2, 3)"])
+    cfg = from_config_dict(cd)
+    assert cfg.optim.lr == 0.5 and cfg.train.debug_nan_steps == (2, 3)
+    with pytest.raises(Exception, match="lrr"):  # a locked ConfigDict refuses new keys at parse time
+        _parse(["prog", tiny, "--config.optim.lrr=0.5"])
+    with pytest.raises(Exception, match="lr"):  # and ill-typed values
+        _parse(["prog", tiny, "--config.optim.lr=fast"])
+
+
+def test_unknown_key_lists_valid_names():
+    cd = to_config_dict()
+    d = cd.to_dict()
+    d["rl"]["klcoef"] = 0.1
+    with pytest.raises(ConfigError) as e:
+        from_config_dict(d)
+    msg = str(e.value)
+    assert "config.rl" in msg and "klcoef" in msg and "kl_coef" in msg and "micro_batch_size" in msg
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['bogus'\].*valid keys: \['checkpoint'"):
+        from_config_dict({"bogus": 1})
+
+
+@pytest.mark.parametrize(
+    "path,value,expect",
+    [
+        (("optim", "lr"), "fast", r"config.optim.lr: expected float, got 'fast' \(str\)"),
+        (("rollout", "samples_per_prompt"), 4.5, r"config.rollout.samples_per_prompt: expected int, got 4.5"),
+        (("checkpoint", "async_save"), 1, r"config.checkpoint.async_save: expected bool, got 1 \(int\)"),
+        (("train", "debug_nan_steps"), ("a",), r"config.train.debug_nan_steps\[0\]: expected int, got 'a'"),
+        (("data", "synthetic"), 3, r"config.data.synthetic: expected a block of SyntheticDataConfig fields"),
+    ],
+)
+def test_wrong_type_names_key_expected_and_got(path, value, expect):
+    d = to_config_dict().to_dict()
+    d[path[0]][path[1]] = value
+    with pytest.raises(ConfigError, match=expect):
+        from_config_dict(d)
+
+
+def test_int_is_accepted_for_float():
+    d = to_config_dict().to_dict()
+    d["optim"]["lr"] = 1
+    assert from_config_dict(d).optim.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "path,value,expect",
+    [
+        (("rollout", "samples_per_prompt"), 1, "GRPO groups need >= 2"),
+        (("rl", "kl_kind"), "k9", r"unknown 'k9'; choose from"),
+        (("rl", "advantage"), "ppo", r"config.rl.advantage: unknown 'ppo'"),
+        (("rl", "micro_batch_size"), 3, r"config.rl.micro_batch_size: 3 must divide the sequences per update"),
+        (("rl", "mini_batch_prompts"), 3, r"must divide data.prompts_per_step"),
+        (("optim", "lr"), -1.0, "config.optim.lr: must be > 0"),
+        (("optim", "schedule"), "step", "config.optim.schedule: must be one of"),
+        (("data", "source"), "gsm_symbolic", "a random tiny model only fits 'synthetic' data"),
+        (("model", "source"), "path", "config.model.path: give a path exactly when source='path'"),
+        (("checkpoint", "max_to_keep"), 1, "keep >= 2"),
+        (("rollout", "speculative"), "eagle", r"config.rollout.speculative: must be one of \('off', 'ngram'\)"),
+        (("mesh", "fsdp"), 0, "config.mesh: invalid mesh shape"),
+    ],
+)
+def test_invalid_values(path, value, expect):
+    d = to_config_dict().to_dict()
+    d[path[0]][path[1]] = value
+    with pytest.raises(ConfigError, match=expect):
+        from_config_dict(d)
+
+
+def test_json_round_trip_and_frozen():
+    cfg = from_config_dict(_load("gsm8k.py"))
+    again = from_config_dict(json.loads(to_json(cfg)))
+    assert again == cfg and hash(again.rl) == hash(cfg.rl)
+    with pytest.raises(AttributeError):
+        cfg.rl.kl_coef = 0.5  # frozen
+    assert isinstance(to_config_dict(cfg), ml_collections.ConfigDict)

@@ -1,0 +1,349 @@
+"""The main job end to end on configs/tiny.py: learning, kill -9 + resume, NaN handling, workdir outputs, errors."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from tlt_jax.config import ConfigError, from_config_dict
+from tlt_jax.main import NonFiniteError, run
+from tlt_jax.metrics import read_metrics
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+# Wall-clock and throughput metrics differ between runs; everything else must match.
+NONDETERMINISTIC = ("time/", "rollout/tokens_per_s", "rollout/compile_s", "eval/seconds")
+
+
+def _cfg(name="tiny.py", *overrides):
+    argv = ["prog", f"--config={REPO / 'configs' / name}", "--config.metrics.progress_bars=False", *overrides]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True, sys_argv=argv)
+    fv(argv)
+    return from_config_dict(fv.config)
+
+
+def _cli(workdir, *overrides, config="tiny.py", **kw):
+    cmd = [
+        sys.executable,
+        "-m",
+        "tlt_jax.main",
+        f"--config=configs/{config}",
+        f"--workdir={workdir}",
+        "--config.metrics.progress_bars=False",
+        *overrides,
+    ]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _train_rows(workdir):
+    return {r["step"]: r for r in read_metrics(str(workdir)) if r["kind"] == "train"}
+
+
+def _assert_same_metrics(a, b, step):
+    keys = {k for k in a if not k.startswith(NONDETERMINISTIC)}
+    assert keys == {k for k in b if not k.startswith(NONDETERMINISTIC)}, step
+    for k in sorted(keys):
+        if isinstance(a[k], float):
+            assert abs(a[k] - b[k]) <= 1e-6, (step, k, a[k], b[k])
+        else:
+            assert a[k] == b[k], (step, k)
+
+
+def test_tiny_task_learns(tmp_path):
+    """A random tiny model learns the target-token task on CPU: mean reward rises clearly, greedy eval solves it."""
+    t0 = time.perf_counter()
+    final = run(_cfg("tiny.py"), str(tmp_path))
+    rows = _train_rows(tmp_path)
+    rewards = [rows[s]["reward/mean"] for s in sorted(rows)]
+    assert len(rewards) == 20
+    assert np.mean(rewards[:3]) < 0.1  # chance is 1/64 per token
+    assert np.mean(rewards[-3:]) > 0.6, rewards
+    evals = [r for r in read_metrics(str(tmp_path)) if r["kind"] == "eval"]
+    assert evals[0]["step"] == 0 and evals[0]["eval/accuracy"] < 0.1  # eval.at_start
+    assert final["eval/accuracy"] >= 0.5, final
+    print(f"tiny run: {time.perf_counter() - t0:.1f} s, rewards {np.round(rewards, 3).tolist()}")
+
+
+def test_workdir_outputs(tmp_path, capsys):
+    cfg = _cfg(
+        "tiny.py", "--config.train.num_steps=2", "--config.eval.at_start=False", "--config.metrics.progress_bars=True"
+    )
+    assert cfg.metrics.progress_bars
+    run(cfg, str(tmp_path))
+    out, err = capsys.readouterr()
+    assert "steps:" in err and "rollout" in err and "train" in err  # tqdm bars
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["step", "reward"])
+    for col in ("acc", "len p50", "p90", "max", "rollout s", "tail s", "reward s", "train s", "tok/s"):
+        assert col in header
+    assert "final evaluation accuracy:" in out
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["train"]["num_steps"] == 2 and saved["model"]["source"] == "tiny"
+    rows = read_metrics(str(tmp_path))
+    assert [r["kind"] for r in rows] == ["train", "train", "final"]
+    for key in (
+        "reward/mean",
+        "reward/accuracy",
+        "response/len_p50",
+        "response/len_p90",
+        "response/len_max",
+        "time/rollout_s",
+        "time/tail_s",
+        "time/reward_s",
+        "time/train_s",
+        "time/logprob_s",
+        "rollout/tokens_per_s",
+        "train/kl_loss",
+        "train/entropy",
+        "train/grad_norm",
+        "train/lr",
+    ):
+        assert key in rows[0], key
+    assert "eval/accuracy" in rows[-1]
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+
+
+def test_kill9_and_resume_gives_identical_metrics(tmp_path):
+    """4 steps straight vs. killed (-9) after step 2's checkpoint and resumed: steps 3-4 identical."""
+    common = ("--config.train.num_steps=4", "--config.checkpoint.every_steps=2", "--config.eval.at_start=False")
+    ref_dir = tmp_path / "ref"
+    run(_cfg("tiny.py", *common), str(ref_dir))
+    ref = _train_rows(ref_dir)
+
+    work = tmp_path / "killed"
+    for _attempt in range(3):
+        proc = _cli(work, *common)
+        ckpt2 = work / "checkpoints" / "2"
+        while proc.poll() is None and not ckpt2.is_dir():
+            time.sleep(0.002)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        out = proc.stdout.read()
+        assert ckpt2.is_dir(), out
+        # Retry if the process outran the kill and finished (then there is nothing left to resume).
+        if not (work / "checkpoints" / "4").is_dir():
+            break
+        import shutil
+
+        shutil.rmtree(work)
+    assert proc.returncode == -signal.SIGKILL
+    proc = _cli(work, *common)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "resumed from step 2" in out or "steps 3..4" in out, out
+    resumed = _train_rows(work)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        _assert_same_metrics(ref[step], resumed[step], step)
+    ref_final = [r for r in read_metrics(str(ref_dir)) if r["kind"] == "final"]
+    new_final = [r for r in read_metrics(str(work)) if r["kind"] == "final"]
+    assert len(new_final) == 1 and new_final[0]["eval/accuracy"] == ref_final[0]["eval/accuracy"]
+
+
+def test_single_nan_step_is_skipped_and_counted(tmp_path):
+    cfg = _cfg(
+        "tiny.py", "--config.train.num_steps=3", "--config.train.debug_nan_steps=(2,)", "--config.eval.at_start=False"
+    )
+    run(cfg, str(tmp_path))
+    rows = _train_rows(tmp_path)
+    assert [rows[s]["train/nonfinite_step"] for s in (1, 2, 3)] == [0.0, 1.0, 0.0]
+    assert [rows[s]["train/skipped_total"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert all(np.isfinite(rows[3][k]) for k in ("train/loss", "train/grad_norm"))
+
+
+def test_consecutive_nan_steps_stop_the_run_and_keep_checkpoints(tmp_path):
+    cfg = _cfg(
+        "tiny.py",
+        "--config.train.num_steps=8",
+        "--config.train.debug_nan_steps=(3, 4, 5)",
+        "--config.train.max_nonfinite_steps=3",
+        "--config.checkpoint.every_steps=1",
+        "--config.eval.at_start=False",
+    )
+    with pytest.raises(NonFiniteError, match=r"stopping at step 5: 3 consecutive steps had a non-finite") as e:
+        run(cfg, str(tmp_path))
+    assert "the latest is step 4" in str(e.value)
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [2, 3, 4]  # max_to_keep=3; nothing written for the failing step, nothing lost
+    rows = _train_rows(tmp_path)
+    assert sorted(rows) == [1, 2, 3, 4, 5] and rows[5]["train/skipped_total"] == 3.0
+
+
+def test_cli_errors(tmp_path):
+    p = _cli(tmp_path / "a", "--config.rl.klcoef=0.1")
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode != 0 and "klcoef" in out
+    p = _cli(tmp_path / "b", "--config.rollout.samples_per_prompt=1")
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 2 and "config.rollout.samples_per_prompt: GRPO groups need >= 2 samples" in out
+
+
+def _gsm_file_cfg(train_path, *extra):
+    return _cfg(
+        "gsm8k.py",
+        "--config.model.source=path",
+        f"--config.model.path={FIXTURES / 'tiny_qwen2'}",
+        "--config.data.source=gsm8k_file",
+        f"--config.data.train_path={train_path}",
+        "--config.data.eval_size=2",
+        "--config.data.chat_template=False",
+        "--config.data.max_prompt_len=512",
+        "--config.rollout.max_new_tokens=8",
+        "--config.rollout.samples_per_prompt=2",
+        "--config.rl.micro_batch_size=2",
+        "--config.reward.num_workers=1",
+        "--config.train.num_steps=1",
+        "--config.metrics.tensorboard=False",
+        *extra,
+    )
+
+
+def test_missing_data_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GSM8K file not found"):
+        run(_gsm_file_cfg(tmp_path / "nope.jsonl"), str(tmp_path / "w"))
+
+
+def test_gsm8k_file_with_malformed_rows_counts_them(tmp_path):
+    """An HF-directory model + a GSM8K jsonl with bad rows: they are skipped and counted in the step metrics."""
+    rows = [
+        json.dumps({"question": f"What is {i} plus {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"}) for i in range(8)
+    ]
+    rows += ["{not json", json.dumps({"question": "no answer"}), json.dumps({"question": "q", "answer": "no hashes"})]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    final = run(_gsm_file_cfg(path), str(tmp_path / "w"))
+    step = _train_rows(tmp_path / "w")[1]
+    assert step["data/malformed_rows"] == 3.0
+    assert step["data/train_examples"] == 6.0 and step["data/eval_examples"] == 2.0  # last 2 rows held out
+    assert 0.0 <= final["eval/accuracy"] <= 1.0 and final["eval/num_examples"] == 2.0
+
+
+def test_config_error_is_raised_before_work(tmp_path):
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        _cfg("tiny.py", "--config.rl.micro_batch_size=5")
+
+
+def test_non_default_knobs_end_to_end(tmp_path):
+    """bf16 compute, remat, 2 mini-batches x 2 epochs, RLOO, k1 KL, cosine warm-up, top-k/top-p, periodic eval,
+    synchronous checkpoints, no TensorBoard: the run completes and each knob shows in what it records."""
+    cfg = _cfg(
+        "tiny.py",
+        "--config.model.dtype=bfloat16",
+        "--config.model.remat=True",
+        "--config.rl.mini_batch_prompts=4",
+        "--config.rl.epochs=2",
+        "--config.rl.advantage=rloo",
+        "--config.rl.kl_kind=k1",
+        "--config.rl.micro_batch_size=8",
+        "--config.optim.schedule=cosine",
+        "--config.optim.warmup_steps=1",
+        "--config.rollout.top_k=8",
+        "--config.rollout.top_p=0.9",
+        "--config.eval.every_steps=1",
+        "--config.eval.max_new_tokens=4",
+        "--config.eval.at_start=False",
+        "--config.checkpoint.async_save=False",
+        "--config.metrics.tensorboard=False",
+        "--config.train.num_steps=2",
+    )
+    final = run(cfg, str(tmp_path))
+    rows = _train_rows(tmp_path)
+    assert rows[1]["train/updates"] == 4.0 and rows[2]["train/updates"] == 8.0  # 2 mini-batches x 2 epochs
+    assert rows[1]["eval/len_mean"] <= 4 and "eval/accuracy" in rows[1]  # eval.every_steps, eval.max_new_tokens
+    assert 0 < rows[2]["train/lr"] < rows[1]["train/lr"] < 1e-2  # warm-up, then cosine decay (step means)
+    assert not (tmp_path / "tensorboard").exists()
+    assert final["eval/len_mean"] <= 4
+
+
+def test_gsm_symbolic_source_with_hf_model(tmp_path):
+    """reasoning-gym gsm_symbolic train/eval split, tokenised with an HF-directory tokenizer."""
+    cfg = _cfg(
+        "gsm8k.py",
+        "--config.model.source=path",
+        f"--config.model.path={FIXTURES / 'tiny_qwen2'}",
+        "--config.data.train_size=4",
+        "--config.data.eval_size=2",
+        "--config.data.chat_template=False",
+        "--config.data.max_prompt_len=1024",
+        "--config.rollout.max_new_tokens=4",
+        "--config.rollout.samples_per_prompt=2",
+        "--config.rl.micro_batch_size=2",
+        "--config.reward.num_workers=1",
+        "--config.train.num_steps=1",
+    )
+    final = run(cfg, str(tmp_path))
+    step = _train_rows(tmp_path)[1]
+    assert step["data/train_examples"] == 4.0 and step["data/eval_examples"] == 2.0
+    assert final["eval/num_examples"] == 2.0
+
+
+@pytest.mark.slow
+def test_gsm8k_default_config_one_small_step(tmp_path):
+    """The main job as a user runs it (one CPU device, SmolLM2-135M GGUF, chat template, gsm_symbolic, KL reference),
+    shrunk to one small step."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    overrides = (
+        "--config.data.train_size=8",
+        "--config.data.eval_size=2",
+        "--config.data.prompts_per_step=2",
+        "--config.rollout.samples_per_prompt=2",
+        "--config.rollout.max_new_tokens=8",
+        "--config.rl.micro_batch_size=2",
+        "--config.train.num_steps=1",
+        "--config.eval.batch_size=2",
+    )
+    p = _cli(tmp_path, *overrides, config="gsm8k.py", env=env)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert "1 cpu devices" in out and "134.5M params" in out and "final evaluation accuracy" in out, out
+    step = _train_rows(tmp_path)[1]
+    assert step["response/len_max"] <= 8 and np.isfinite(step["train/loss"]) and step["train/nonfinite_step"] == 0
+    assert step["train/kl_loss"] == pytest.approx(0.0, abs=1e-4)  # one update from the reference
+
+
+def test_speculative_rollouts_leave_training_unchanged(tmp_path):
+    """n-gram tree speculative decoding in the rollout: same samples, so identical losses / rewards / KL (old
+    log-probs are recomputed by the policy, never taken from the rollout); the accept length is reported."""
+    common = ("--config.train.num_steps=3", "--config.eval.at_start=False", "--config.metrics.tensorboard=False")
+    run(_cfg("tiny.py", *common), str(tmp_path / "plain"))
+    run(
+        _cfg("tiny.py", *common, "--config.rollout.speculative=ngram", "--config.rollout.spec_threshold=32"),
+        str(tmp_path / "sd"),
+    )
+    plain, sd = _train_rows(tmp_path / "plain"), _train_rows(tmp_path / "sd")
+    for step in (1, 2, 3):
+        assert sd[step]["rollout/accept_length"] >= 1.0 and sd[step]["rollout/verify_steps"] > 0
+        a = {k: v for k, v in plain[step].items() if not k.startswith("rollout/")}
+        b = {k: v for k, v in sd[step].items() if not k.startswith("rollout/")}
+        _assert_same_metrics(a, b, step)
+
+
+def test_corrupt_latest_checkpoint_resumes_from_previous(tmp_path, caplog):
+    """The run's newest checkpoint is damaged: a warning, resume from the one before, same results as straight."""
+    import logging
+
+    common = ("--config.train.num_steps=4", "--config.checkpoint.every_steps=2", "--config.eval.at_start=False")
+    run(_cfg("tiny.py", *common), str(tmp_path))
+    straight = _train_rows(tmp_path)
+    for p in (tmp_path / "checkpoints" / "4" / "train_state").rglob("*"):
+        if p.is_file() and p.parent.name == "d":
+            p.write_bytes(b"\0garbage")
+    with caplog.at_level(logging.WARNING):
+        run(_cfg("tiny.py", *common), str(tmp_path))
+    assert any("step 4" in r.message and "falling back" in r.message for r in caplog.records)
+    again = _train_rows(tmp_path)
+    for step in (3, 4):
+        _assert_same_metrics(straight[step], again[step], step)
+    assert (tmp_path / "checkpoints" / "4").is_dir() and (tmp_path / "checkpoints_unreadable" / "4").is_dir()

@@ -1,0 +1,427 @@
+"""Typed, frozen run configuration, validated from an ``ml_collections.ConfigDict`` with errors that name the key.
+
+One dataclass per component; :func:`from_config_dict` checks every key against the dataclass fields (an unknown
+key lists the valid names), every value against the field's type (naming key, expected type and value), then runs
+each block's own range checks. :func:`to_config_dict` turns the defaults into the ConfigDict that ``configs/base.py``
+starts from, so defaults live in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from typing import Any
+
+import ml_collections
+
+from tlt_jax.distributed.mesh import MeshConfig
+from tlt_jax.rl.advantages import ADVANTAGE_FNS
+from tlt_jax.rl.losses import KL_ESTIMATORS, LOSS_AGG_FNS, POLICY_LOSS_FNS
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "MeshConfig",
+    "MetricsConfig",
+    "ModelConfigSpec",
+    "OptimConfig",
+    "RLConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "SyntheticDataConfig",
+    "TinyModelConfig",
+    "TrainConfig",
+    "from_config_dict",
+    "to_config_dict",
+    "to_json",
+]
+
+MODEL_SOURCES = ("tiny", "smollm2", "path")
+DATA_SOURCES = ("synthetic", "gsm_symbolic", "gsm8k_file")
+SCHEDULES = ("constant", "cosine", "linear")
+DTYPES = ("float32", "bfloat16")
+SPECULATIVE = ("off", "ngram")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the offending key."""
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config.{key}: {msg}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelConfig:
+    """A random tiny decoder (source='tiny'): seconds-scale CPU runs and tests."""
+
+    vocab_size: int = 64
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    init_seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfigSpec:
+    """Which policy to train. source: 'tiny' (random), 'smollm2' (embedded SmolLM2-135M-Instruct GGUF) or 'path'
+    (an HF safetensors directory or a .gguf file given by ``path``)."""
+
+    source: str = "tiny"
+    path: str = ""
+    dtype: str = "float32"  # compute dtype; parameters and optimizer state stay float32
+    remat: bool = False  # rematerialise decoder layers in the backward pass (memory for compute)
+    tiny: TinyModelConfig = TinyModelConfig()
+
+    def validate(self, key: str) -> None:
+        _require(self.source in MODEL_SOURCES, f"{key}.source", f"must be one of {MODEL_SOURCES}, got {self.source!r}")
+        _require(self.dtype in DTYPES, f"{key}.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(
+            (self.source == "path") == bool(self.path),
+            f"{key}.path",
+            "give a path exactly when source='path' (an HF directory or a .gguf file)",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticDataConfig:
+    """The tiny task: random prompts; the reward is the fraction of the response that is ``target_token``."""
+
+    num_prompts: int = 256
+    prompt_len: int = 8
+    target_token: int = 5
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Training / evaluation prompts. source: 'synthetic' (tiny task), 'gsm_symbolic' (reasoning-gym generated,
+    disjoint train/eval seeds) or 'gsm8k_file' (GSM8K .jsonl/.parquet at ``train_path`` / ``eval_path``)."""
+
+    source: str = "synthetic"
+    prompts_per_step: int = 8
+    train_path: str = ""
+    eval_path: str = ""
+    train_size: int = 2000  # gsm_symbolic
+    eval_size: int = 32  # gsm_symbolic; the first eval_size rows of eval_path for gsm8k_file
+    train_seed: int = 0
+    eval_seed: int = 1_000_000
+    shuffle_seed: int = 0
+    max_prompt_len: int = 256  # longer prompts are dropped (counted in the metrics)
+    chat_template: bool = True  # format prompts with the tokenizer's chat template
+    synthetic: SyntheticDataConfig = SyntheticDataConfig()
+
+    def validate(self, key: str) -> None:
+        _require(self.source in DATA_SOURCES, f"{key}.source", f"must be one of {DATA_SOURCES}, got {self.source!r}")
+        _require(self.prompts_per_step >= 1, f"{key}.prompts_per_step", "must be >= 1")
+        _require(self.max_prompt_len >= 1, f"{key}.max_prompt_len", "must be >= 1")
+        _require(self.eval_size >= 1, f"{key}.eval_size", "must be >= 1")
+        if self.source == "gsm8k_file":
+            _require(bool(self.train_path), f"{key}.train_path", "source='gsm8k_file' needs a .jsonl/.parquet file")
+        if self.source == "gsm_symbolic":
+            _require(self.train_size >= self.prompts_per_step, f"{key}.train_size", "must be >= prompts_per_step")
+        s = self.synthetic
+        _require(s.num_prompts >= self.prompts_per_step, f"{key}.synthetic.num_prompts", "must be >= prompts_per_step")
+        _require(s.prompt_len >= 1, f"{key}.synthetic.prompt_len", "must be >= 1")
+        _require(s.target_token >= 0, f"{key}.synthetic.target_token", "must be a token id >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling for training rollouts (GRPO group size n = samples_per_prompt)."""
+
+    samples_per_prompt: int = 4
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    max_new_tokens: int = 16
+    # Lossless tree speculative decoding in the rollout tail: "off" or "ngram" (model-free drafter over the prompt,
+    # the row's output and its GRPO siblings). EAGLE drafters are not wired into the main job yet.
+    speculative: str = "off"
+    spec_threshold: int = 32  # decode speculatively once a wave has at most this many live rows
+
+    def validate(self, key: str) -> None:
+        _require(
+            self.speculative in SPECULATIVE,
+            f"{key}.speculative",
+            f"must be one of {SPECULATIVE}, got {self.speculative!r}",
+        )
+        _require(self.spec_threshold >= 1, f"{key}.spec_threshold", "must be >= 1")
+        _require(self.samples_per_prompt >= 2, f"{key}.samples_per_prompt", "GRPO groups need >= 2 samples")
+        _require(self.temperature > 0, f"{key}.temperature", "must be > 0 for training rollouts")
+        _require(self.top_k >= 0, f"{key}.top_k", "must be >= 0 (0 = off)")
+        _require(0 < self.top_p <= 1, f"{key}.top_p", "must be in (0, 1]")
+        _require(self.max_new_tokens >= 1, f"{key}.max_new_tokens", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """GRPO objective and how a step's rollouts are split into updates (VeRL's names in comments)."""
+
+    advantage: str = "grpo"  # adv_estimator
+    policy_loss: str = "ppo_clip"
+    clip_low: float = 0.2  # clip_ratio_low
+    clip_high: float = 0.2  # clip_ratio_high
+    loss_agg_mode: str = "token-mean"
+    kl_coef: float = 0.001  # kl_loss_coef (use_kl_loss); 0 disables the reference policy
+    kl_kind: str = "low_var_kl"  # kl_loss_type
+    mini_batch_prompts: int = 0  # ppo_mini_batch_size in prompts; 0 = all prompts of the step (one update)
+    epochs: int = 1  # ppo_epochs
+    micro_batch_size: int = 8  # sequences per micro-batch (gradient accumulation and log-prob chunks)
+
+    def validate(self, key: str) -> None:
+        for name, reg in (
+            ("advantage", ADVANTAGE_FNS),
+            ("policy_loss", POLICY_LOSS_FNS),
+            ("loss_agg_mode", LOSS_AGG_FNS),
+            ("kl_kind", KL_ESTIMATORS),
+        ):
+            val = getattr(self, name)
+            _require(val in reg, f"{key}.{name}", f"unknown {val!r}; choose from {sorted(reg)}")
+        _require(0 <= self.clip_low < 1, f"{key}.clip_low", "must be in [0, 1)")
+        _require(self.clip_high >= 0, f"{key}.clip_high", "must be >= 0")
+        _require(self.kl_coef >= 0, f"{key}.kl_coef", "must be >= 0")
+        _require(self.mini_batch_prompts >= 0, f"{key}.mini_batch_prompts", "must be >= 0 (0 = all)")
+        _require(self.epochs >= 1, f"{key}.epochs", "must be >= 1")
+        _require(self.micro_batch_size >= 1, f"{key}.micro_batch_size", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up, then a constant / cosine / linear schedule, and global-norm clipping."""
+
+    lr: float = 1e-6
+    warmup_steps: int = 0  # in optimizer updates
+    schedule: str = "constant"
+    final_lr_ratio: float = 0.0  # cosine / linear decay to lr * final_lr_ratio at the last update
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 = no clipping
+
+    def validate(self, key: str) -> None:
+        _require(self.lr > 0 and not math.isnan(self.lr), f"{key}.lr", f"must be > 0, got {self.lr}")
+        _require(self.warmup_steps >= 0, f"{key}.warmup_steps", "must be >= 0")
+        _require(self.schedule in SCHEDULES, f"{key}.schedule", f"must be one of {SCHEDULES}, got {self.schedule!r}")
+        _require(0 <= self.final_lr_ratio <= 1, f"{key}.final_lr_ratio", "must be in [0, 1]")
+        _require(self.weight_decay >= 0, f"{key}.weight_decay", "must be >= 0")
+        _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{key}.b1/b2", "must be in [0, 1)")
+        _require(self.max_grad_norm >= 0, f"{key}.max_grad_norm", "must be >= 0 (0 = off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """Rule-based GSM8K scoring in worker processes (synthetic data scores in-process)."""
+
+    num_workers: int = 2
+    timeout_s: float = 5.0
+
+    def validate(self, key: str) -> None:
+        _require(self.num_workers >= 1, f"{key}.num_workers", "must be >= 1")
+        _require(self.timeout_s > 0, f"{key}.timeout_s", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Greedy evaluation on held-out prompts: at the end, every ``every_steps`` steps (0 = never in between), and
+    before the first step when ``at_start``."""
+
+    every_steps: int = 0
+    at_start: bool = False
+    max_new_tokens: int = 0  # 0 = rollout.max_new_tokens
+    batch_size: int = 32
+
+    def validate(self, key: str) -> None:
+        _require(self.every_steps >= 0, f"{key}.every_steps", "must be >= 0")
+        _require(self.max_new_tokens >= 0, f"{key}.max_new_tokens", "must be >= 0")
+        _require(self.batch_size >= 1, f"{key}.batch_size", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints under workdir/checkpoints, every N steps and at the end."""
+
+    every_steps: int = 5
+    max_to_keep: int = 3
+    async_save: bool = True
+
+    def validate(self, key: str) -> None:
+        _require(self.every_steps >= 1, f"{key}.every_steps", "must be >= 1")
+        _require(self.max_to_keep >= 2, f"{key}.max_to_keep", "keep >= 2 so a corrupt latest can fall back")
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """What the user sees: tqdm progress bars (off for logs / tests) and TensorBoard event files."""
+
+    progress_bars: bool = True
+    tensorboard: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The RL loop. A step whose loss or gradients are non-finite is skipped; ``max_nonfinite_steps`` such steps in
+    a row stop the run. ``debug_nan_steps`` injects a NaN loss at those steps (tests of that path)."""
+
+    num_steps: int = 20
+    seed: int = 0
+    max_nonfinite_steps: int = 3
+    debug_nan_steps: tuple[int, ...] = ()
+
+    def validate(self, key: str) -> None:
+        _require(self.num_steps >= 1, f"{key}.num_steps", "must be >= 1")
+        _require(self.max_nonfinite_steps >= 1, f"{key}.max_nonfinite_steps", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run."""
+
+    name: str = "run"
+    model: ModelConfigSpec = ModelConfigSpec()
+    mesh: MeshConfig = MeshConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    rl: RLConfig = RLConfig()
+    optim: OptimConfig = OptimConfig()
+    reward: RewardConfig = RewardConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    train: TrainConfig = TrainConfig()
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            block = getattr(self, f.name)
+            if hasattr(block, "validate"):
+                block.validate(f.name)
+        if self.model.source == "tiny":
+            _require(self.data.source == "synthetic", "data.source", "a random tiny model only fits 'synthetic' data")
+            _require(
+                self.data.synthetic.target_token < self.model.tiny.vocab_size,
+                "data.synthetic.target_token",
+                f"must be < model.tiny.vocab_size ({self.model.tiny.vocab_size})",
+            )
+        mini = self.rl.mini_batch_prompts or self.data.prompts_per_step
+        _require(
+            self.data.prompts_per_step % mini == 0,
+            "rl.mini_batch_prompts",
+            f"{mini} must divide data.prompts_per_step ({self.data.prompts_per_step})",
+        )
+        seqs = mini * self.rollout.samples_per_prompt
+        _require(
+            seqs % self.rl.micro_batch_size == 0,
+            "rl.micro_batch_size",
+            f"{self.rl.micro_batch_size} must divide the sequences per update "
+            f"(mini_batch_prompts x samples_per_prompt = {seqs})",
+        )
+
+    @property
+    def updates_per_step(self) -> int:
+        mini = self.rl.mini_batch_prompts or self.data.prompts_per_step
+        return self.rl.epochs * (self.data.prompts_per_step // mini)
+
+
+# ----- ConfigDict <-> dataclasses ---------------------------------------------------------------------------------
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, key: str) -> Any:
+    """``value`` as type ``tp`` (int accepted for float, list for tuple) or a ConfigError naming the key."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"config.{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (tuple, list)):
+            raise ConfigError(f"config.{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        elem = args[0] if args else Any
+        return tuple(_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value))
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }
+    if tp is Any:
+        return value
+    if tp not in ok:
+        raise TypeError(f"config.{key}: unsupported field type {tp}")
+    if not ok[tp](value):
+        raise ConfigError(f"config.{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
+    return float(value) if tp is float else value
+
+
+def _build(cls, value: Any, key: str):
+    if isinstance(value, ml_collections.ConfigDict):
+        value = value.to_dict()
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    prefix = f"config.{key}" if key else "config"
+    if not isinstance(value, dict):
+        raise ConfigError(f"{prefix}: expected a block of {cls.__name__} fields, got {value!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise ConfigError(f"{prefix}: unknown key(s) {unknown} for {cls.__name__}; valid keys: {sorted(fields)}")
+    kwargs = {}
+    for name, v in value.items():
+        kwargs[name] = _coerce(v, hints[name], f"{key}.{name}" if key else name)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:  # a block's own __post_init__ (e.g. MeshConfig)
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{prefix}: {e}") from e
+
+
+def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
+    """Validated, frozen :class:`Config` from a ConfigDict (or plain dict); missing keys take the defaults."""
+    cfg = _build(Config, cd, "")
+    cfg.validate()
+    # MeshConfig has no validate(): check its shape is well-formed (the device count is checked at mesh build).
+    dims = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+    _require(dims.count(-1) <= 1 and all(d >= 1 or d == -1 for d in dims), "mesh", f"invalid mesh shape {dims}")
+    return cfg
+
+
+def _as_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _as_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return obj
+
+
+def to_config_dict(cfg: Config | None = None) -> ml_collections.ConfigDict:
+    """The ConfigDict of ``cfg`` (defaults when None): what configs/*.py start from and override."""
+    return ml_collections.ConfigDict(_as_plain(cfg or Config()))
+
+
+def to_json(cfg: Config) -> str:
+    """The resolved configuration as JSON (written to workdir/config.json)."""
+    return json.dumps(_as_plain(cfg), indent=2, sort_keys=True, default=list)

@@ -1,0 +1,319 @@
+"""One GRPO iteration: prompts -> rollout -> rewards -> group advantages -> old/ref log-probs recomputed by the
+policy / frozen reference -> policy updates (mini-batches x epochs, each one sharded jitted step).
+
+The rollout engine only samples: its log-probs are never used (the engine may decode speculatively or in another
+batch layout), so speculative decoding cannot leak into the loss. The host owns every decision; the device work is
+three jitted pure functions (rollout steps inside the engine, :mod:`tlt_jax.rl.logprobs`, :mod:`tlt_jax.rl.train_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from tlt_jax.config import Config
+from tlt_jax.distributed import LogicalRules
+from tlt_jax.rl.advantages import compute_advantages
+from tlt_jax.rl.logprobs import make_logprob_fn
+from tlt_jax.rl.train_step import LossConfig, TrainState, init_train_state, lr_schedule, make_optimizer, make_train_step
+from tlt_jax.rollout import SamplingParams
+
+__all__ = [
+    "GRPOLearner",
+    "GSM8KReward",
+    "RewardFn",
+    "RewardOutput",
+    "TargetTokenReward",
+    "bucket_length",
+    "build_sequences",
+]
+
+
+@dataclasses.dataclass
+class RewardOutput:
+    """Scores [P, n] (the RL reward), whether each response is correct [P, n], and counters (timeouts...)."""
+
+    scores: np.ndarray
+    correct: np.ndarray
+    info: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class RewardFn(Protocol):
+    def __call__(self, examples: Sequence[dict], completions: Sequence[Sequence[Sequence[int]]]) -> RewardOutput: ...
+
+
+class TargetTokenReward:
+    """The tiny task: reward = fraction of the ``max_new_tokens`` positions that hold the example's target token
+    (``ground_truth``); stopping early scores the missing positions as 0. Correct = every position is the target."""
+
+    def __init__(self, max_new_tokens: int):
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, examples, completions) -> RewardOutput:
+        scores = np.array(
+            [
+                [sum(int(t) == int(ex["ground_truth"]) for t in c) / self.max_new_tokens for c in comps]
+                for ex, comps in zip(examples, completions, strict=True)
+            ],
+            np.float32,
+        )
+        return RewardOutput(scores, scores >= 1.0 - 1e-6)
+
+    def close(self) -> None:
+        pass
+
+
+class GSM8KReward:
+    """GSM8K exact match of the final number, scored in worker processes with a per-item timeout."""
+
+    def __init__(self, tokenizer, num_workers: int = 2, timeout_s: float = 5.0):
+        from tlt_jax.rewards import ParallelScorer, score_gsm8k
+
+        self.tokenizer = tokenizer
+        self.scorer = ParallelScorer(score_gsm8k, num_workers=num_workers, timeout_s=timeout_s)
+
+    def __call__(self, examples, completions) -> RewardOutput:
+        n = len(completions[0])
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for comps in completions for c in comps]
+        truths = [ex["ground_truth"] for ex in examples for _ in range(n)]
+        out = self.scorer(texts, truths)
+        scores = out.scores.reshape(len(examples), n)
+        info = {"reward/timeouts": float(out.num_timeouts), "reward/errors": float(out.num_errors)}
+        return RewardOutput(scores, scores >= 1.0, info)
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def bucket_length(n: int, minimum: int = 16) -> int:
+    """Padded sequence length (few shapes, few compiles, little padding): powers of two up to 256, multiples of 128
+    up to 1024, then multiples of 512."""
+    b = minimum
+    while b < n:
+        b = b * 2 if b < 256 else b + 128 if b < 1024 else b + 512
+    return b
+
+
+def build_sequences(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Sequence[int]]]
+) -> dict[str, np.ndarray]:
+    """``prompt ++ response`` rows (prompt-major: row i*n + j), right-padded to a bucketed length.
+
+    Returns int32 input_ids and attention_mask [B, T] and float32 response_mask [B, T] (1 on response tokens).
+    """
+    rows = [(list(p), list(c)) for p, comps in zip(prompts, completions, strict=True) for c in comps]
+    t = bucket_length(max(len(p) + len(c) for p, c in rows))
+    ids = np.zeros((len(rows), t), np.int32)
+    attn = np.zeros((len(rows), t), np.int32)
+    resp = np.zeros((len(rows), t), np.float32)
+    for r, (p, c) in enumerate(rows):
+        n = len(p) + len(c)
+        ids[r, :n] = p + c
+        attn[r, :n] = 1
+        resp[r, len(p) : n] = 1.0
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+
+
+def _percentiles(lengths: np.ndarray) -> dict[str, float]:
+    return {
+        "response/len_mean": float(lengths.mean()),
+        "response/len_p50": float(np.percentile(lengths, 50)),
+        "response/len_p90": float(np.percentile(lengths, 90)),
+        "response/len_max": float(lengths.max()),
+    }
+
+
+class GRPOLearner:
+    """Owns the policy's train state, the frozen reference, and the step functions; ``step`` runs one iteration.
+
+    The model passed in is the initial policy; when ``kl_coef > 0`` a copy of its parameters is the reference.
+    ``engine`` is a RolloutEngine (``set_params(model)``, ``generate(prompts, SamplingParams)``).
+    """
+
+    def __init__(self, cfg: Config, model, engine, reward_fn: RewardFn, *, mesh: Mesh, rules=LogicalRules()):
+        self.cfg, self.engine, self.reward_fn, self.mesh, self.rules = cfg, engine, reward_fn, mesh, rules
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=jax.tree.map(lambda x: x.sharding, params))
+        self.ref_params = copy(params) if cfg.rl.kl_coef > 0 else None
+        self.total_updates = cfg.train.num_steps * cfg.updates_per_step
+        self.schedule = lr_schedule(cfg.optim, self.total_updates)
+        self.tx = make_optimizer(cfg.optim, self.total_updates)
+        self.state: TrainState = init_train_state(params, self.tx)
+        rl = cfg.rl
+        self.loss_cfg = LossConfig(
+            micro_batch_size=rl.micro_batch_size,
+            temperature=cfg.rollout.temperature,
+            policy_loss=rl.policy_loss,
+            clip_low=rl.clip_low,
+            clip_high=rl.clip_high,
+            agg_mode=rl.loss_agg_mode,
+            kl_coef=rl.kl_coef,
+            kl_kind=rl.kl_kind,
+        )
+        self._train_step = make_train_step(self.graphdef, self.tx, self.loss_cfg, self.state, mesh=mesh, rules=rules)
+        self._logprobs = make_logprob_fn(
+            self.graphdef, chunk_size=rl.micro_batch_size, temperature=cfg.rollout.temperature
+        )
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+
+    def policy_model(self):
+        """The current policy as a module (shares the train state's arrays; no copy)."""
+        return nnx.merge(self.graphdef, self.state.params, self.rest)
+
+    def rollout_seed(self, step: int) -> int:
+        return (self.cfg.train.seed * 1_000_003 + step * 7_919) % (2**32)
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        logical = ("batch",) + (None,) * (x.ndim - 1)
+        return jax.device_put(x, NamedSharding(self.mesh, self.rules.spec(logical, self.mesh, x.shape)))
+
+    def _publish(self) -> None:
+        # The engine reads these arrays only inside generate; the next train step donates them, and every
+        # generate is preceded by a fresh publish, so no copy is needed.
+        self.engine.set_params(self.policy_model())
+
+    # ---- one iteration ----------------------------------------------------------------------------------------
+
+    def step(self, step: int, examples: Sequence[dict], progress=None) -> dict[str, float]:
+        """Run iteration ``step`` (1-based) on a batch of examples (dicts with prompt_ids and ground_truth)."""
+        cfg, ro = self.cfg, self.cfg.rollout
+        n = ro.samples_per_prompt
+        t0 = time.perf_counter()
+        prompts = [list(ex["prompt_ids"]) for ex in examples]
+        if progress is not None:
+            progress.start_rollout(len(prompts) * n)
+        self._publish()
+        sampling = SamplingParams(
+            temperature=ro.temperature,
+            top_k=ro.top_k,
+            top_p=ro.top_p,
+            max_new_tokens=ro.max_new_tokens,
+            n=n,
+            seed=self.rollout_seed(step),
+        )
+        res = self.engine.generate(prompts, sampling)
+        t_rollout = time.perf_counter() - t0
+        # RolloutEngine.generate has no per-chunk callback yet, so the rollout bar moves once, when it returns.
+        if progress is not None:
+            progress.rollout_update(len(prompts) * n, 0)
+
+        t1 = time.perf_counter()
+        rewards = self.reward_fn(examples, res.tokens)
+        t_reward = time.perf_counter() - t1
+
+        adv = np.asarray(compute_advantages(cfg.rl.advantage, jnp.asarray(rewards.scores))).reshape(-1)
+        seqs = build_sequences(prompts, res.tokens)
+        t2 = time.perf_counter()
+        ids, attn = self._put(seqs["input_ids"]), self._put(seqs["attention_mask"])
+        old = np.asarray(self._logprobs(self.state.params, self.rest, ids, attn))
+        ref = (
+            np.asarray(self._logprobs(self.ref_params, self.rest, ids, attn))
+            if self.ref_params is not None
+            else np.zeros_like(old)
+        )
+        t_logprob = time.perf_counter() - t2
+
+        t3 = time.perf_counter()
+        train_metrics = self._update(step, {**seqs, "advantages": adv, "old_logp": old, "ref_logp": ref}, progress)
+        t_train = time.perf_counter() - t3
+
+        lengths = np.array([len(c) for comps in res.tokens for c in comps], np.float64)
+        stats = res.stats
+        total_tokens = float(stats.get("total_tokens", lengths.sum()))
+        metrics = {
+            "reward/mean": float(rewards.scores.mean()),
+            "reward/std": float(rewards.scores.std()),
+            "reward/accuracy": float(rewards.correct.mean()),
+            "reward/groups_all_same": float(np.mean(rewards.scores.std(axis=1) == 0)),
+            **rewards.info,
+            **_percentiles(lengths),
+            "response/stopped_frac": float(np.mean([r == "stop" for rs in res.finish_reason for r in rs])),
+            "time/rollout_s": t_rollout,
+            "time/tail_s": float(stats.get("tail_seconds", 0.0)),
+            "rollout/tail_share": float(stats.get("tail_share", 0.0)),
+            "rollout/compile_s": float(stats.get("compile_seconds_this_call", 0.0)),
+            "rollout/tokens": total_tokens,
+            "rollout/tokens_per_s": total_tokens / max(t_rollout, 1e-9),
+            "time/reward_s": t_reward,
+            "time/logprob_s": t_logprob,
+            "time/train_s": t_train,
+            "time/step_s": time.perf_counter() - t0,
+            "train/seq_len": float(seqs["input_ids"].shape[1]),
+            **train_metrics,
+        }
+        if self.cfg.rollout.speculative != "off":
+            metrics["rollout/accept_length"] = float(stats["mean_accept_length"])  # tokens per verify and row
+            metrics["rollout/sd_on_s"] = float(stats["sd_on_seconds"])
+            metrics["rollout/verify_steps"] = float(stats["verify_steps"])
+        return metrics
+
+    def _update(self, step: int, batch: dict[str, np.ndarray], progress) -> dict[str, float]:
+        cfg = self.cfg
+        n = cfg.rollout.samples_per_prompt
+        mini_rows = (cfg.rl.mini_batch_prompts or cfg.data.prompts_per_step) * n
+        num_rows = batch["input_ids"].shape[0]
+        loss_scale = np.float32(np.nan if step in cfg.train.debug_nan_steps else 1.0)
+        if progress is not None:
+            progress.start_train(cfg.updates_per_step)
+        per_update = []
+        for _ in range(cfg.rl.epochs):
+            for lo in range(0, num_rows, mini_rows):
+                mb = {k: self._put(v[lo : lo + mini_rows]) for k, v in batch.items()}
+                mb["loss_scale"] = jnp.asarray(loss_scale)
+                lr = float(self.schedule(int(self.state.step) - int(self.state.skipped)))
+                self.state, m = self._train_step(self.state, self.rest, mb)
+                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                m["lr"] = lr
+                per_update.append(m)
+                if progress is not None:
+                    progress.train_update(m["loss"])
+        finite = np.array([m["finite"] for m in per_update]) > 0
+        keys = per_update[0].keys()
+        # Averages over the updates that were applied (all of them when none was skipped).
+        use = [m for m, f in zip(per_update, finite, strict=True) if f] or per_update
+        out = {f"train/{k}": float(np.mean([m[k] for m in use])) for k in keys if k not in ("finite",)}
+        out["train/skipped_updates"] = float((~finite).sum())
+        out["train/skipped_total"] = float(self.state.skipped)
+        out["train/nonfinite_step"] = float(not finite.all())
+        out["train/updates"] = float(self.state.step)
+        return out
+
+    # ---- evaluation -------------------------------------------------------------------------------------------
+
+    def evaluate(self, examples: Sequence[dict], *, max_new_tokens: int, batch_size: int) -> dict[str, float]:
+        """Greedy decoding of every example; accuracy = fraction judged correct by the reward."""
+        self._publish()
+        t0 = time.perf_counter()
+        scores, correct, lengths = [], [], []
+        for lo in range(0, len(examples), batch_size):
+            chunk = list(examples[lo : lo + batch_size])
+            res = self.engine.generate(
+                [list(ex["prompt_ids"]) for ex in chunk],
+                SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, n=1, seed=0),
+            )
+            r = self.reward_fn(chunk, res.tokens)
+            scores.append(r.scores[:, 0])
+            correct.append(r.correct[:, 0])
+            lengths += [len(c[0]) for c in res.tokens]
+        return {
+            "eval/accuracy": float(np.concatenate(correct).mean()),
+            "eval/reward": float(np.concatenate(scores).mean()),
+            "eval/num_examples": float(len(examples)),
+            "eval/len_mean": float(np.mean(lengths)),
+            "eval/seconds": time.perf_counter() - t0,
+        }
+
+    # ---- checkpointed state -----------------------------------------------------------------------------------
+
+    def load_state(self, state: TrainState) -> None:
+        """Continue from a restored train state (same structure and shardings as ``self.state``)."""
+        self.state = state
