@@ -202,6 +202,17 @@ def test_second_identical_call_compiles_nothing(engine, sampled):
     assert events == []
 
 
+def test_on_chunk_reports_progress_every_round_trip(engine, sampled):
+    calls = []
+    res = engine.generate(PROMPTS, SAMPLED, on_chunk=lambda finished, active: calls.append((finished, active)))
+    assert res.tokens == sampled.tokens
+    total = len(PROMPTS) * SAMPLED.n
+    assert len(calls) == len(res.stats["chunks"]) + 1  # once per round trip, and once when the wave drains
+    assert all(f + a == total for f, a in calls)
+    assert [f for f, _ in calls] == sorted(f for f, _ in calls) and calls[-1] == (total, 0)
+    assert calls[0][1] > 0
+
+
 def test_precompile_covers_decode_and_compaction(model):
     eng = RolloutEngine(model, max_batch=2, max_len=32, length_buckets=(32,), precompile=True, compiler_options=FAST)
     assert eng.pool.counters()["compiles"] == 3  # decode@2, decode@1, compact 2->1

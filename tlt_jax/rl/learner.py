@@ -200,11 +200,10 @@ class GRPOLearner:
             n=n,
             seed=self.rollout_seed(step),
         )
-        res = self.engine.generate(prompts, sampling)
+        res = self.engine.generate(
+            prompts, sampling, on_chunk=None if progress is None else progress.rollout_update
+        )
         t_rollout = time.perf_counter() - t0
-        # RolloutEngine.generate has no per-chunk callback yet, so the rollout bar moves once, when it returns.
-        if progress is not None:
-            progress.rollout_update(len(prompts) * n, 0)
 
         t1 = time.perf_counter()
         rewards = self.reward_fn(examples, res.tokens)

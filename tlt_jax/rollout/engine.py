@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -241,7 +241,12 @@ class RolloutEngine:
     # ---- generation -------------------------------------------------------------------------------------------
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, request_ids: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        request_ids: Sequence[int] | None = None,
+        on_chunk: Callable[[int, int], None] | None = None,
     ) -> RolloutResult:
         """Sample ``params.n`` completions per prompt. ``request_ids`` (default 0..N-1) name the prompts for the
         counter-based keys: the same (seed, request id, sample index) gives the same tokens in any batch, with or
@@ -251,7 +256,8 @@ class RolloutEngine:
         compilation excluded), arms (chunks per arm), sd_on_seconds / sd_off_seconds (speculative / plain chunks,
         n-gram tree building included), verify_steps, mean_accept_length (tokens emitted per verify step and live
         row), spec (arm, drafter, threshold, switches: live rows / batch / seconds into the wave when tree decoding
-        switched on, accepted drafts), chunks (per round trip), prefills, compactions, by_batch, pool counters."""
+        switched on, accepted drafts), chunks (per round trip), prefills, compactions, by_batch, pool counters.
+        on_chunk(finished_samples, active_samples) is called once per host round trip (progress bars)."""
         prompts, max_new, request_ids = self._validate(prompts, params, request_ids)
         cap = self.capture
         if (cap.window if cap else 0) != self.ctx.capture_window or (cap and cap.side != self.ctx.capture_side):
@@ -265,7 +271,10 @@ class RolloutEngine:
         run = _Run(self, prompts, max_new, request_ids, params, stops)
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
         for w0 in range(0, len(rows), self.max_batch):
-            run.wave(rows[w0 : w0 + self.max_batch])
+            wave = rows[w0 : w0 + self.max_batch]
+            if on_chunk is not None:
+                run.on_chunk = lambda live, end=w0 + len(wave): on_chunk(end - live, live)
+            run.wave(wave)
         result = run.assemble(n)
         pool1 = self.pool.counters()
         st = result.stats
@@ -293,6 +302,7 @@ class _Run:
         self.compactions: list[dict] = []
         self.switches: list[dict] = []
         self.steps = 0
+        self.on_chunk: Callable[[int], None] | None = None
         # n-gram drafting: every sample's generated tokens so far, kept from the info of each call (no extra read).
         self.gen: list[list[int]] | None = [[] for _ in range(n_total)] if engine.ngram is not None else None
 
@@ -355,6 +365,8 @@ class _Run:
             real = slots >= 0
             live = ~done & real
             n_live = int(live.sum())
+            if self.on_chunk is not None:
+                self.on_chunk(n_live)
             if n_live == 0:
                 break
             if e.compaction and bk.pick(e.batch_buckets, n_live) < b:
