@@ -270,6 +270,41 @@ def test_kv_commit_equals_plain_decoding_kv(policy):
     np.testing.assert_allclose(out.logprobs[0], greedy.logprobs[0][1:5], atol=1e-5)
 
 
+def test_sampled_walk_equals_all_node_sampling(policy):
+    """verify_tree samples only along the realised path (a while-loop walk); it must pick exactly what sampling every
+    node (sample_tree) + the vectorised acceptance (accept_tree) picks, for mixed greedy / sampled rows."""
+    rng = np.random.default_rng(11)
+    n, d = 9, 4
+    _, lens, cache, first, _ = _prefill(policy, PROMPTS)
+    greedy = plain_generate(policy, PROMPTS, max_new_tokens=5, stop_tokens=())
+    for trial in range(6):
+        rows = [random_tree(rng, n, CFG.vocab_size, p_invalid=0.1) for _ in PROMPTS]
+        tok, par, val = (np.stack(x) for x in zip(*rows, strict=True))
+        tok[:, 0] = np.asarray(first)
+        tok[:, 1] = [g[1] for g in greedy.tokens]  # a likely first hit, so the walk goes deeper than the root
+        par[:, 1], val[:, 1] = 0, True
+        tree = make_tree(tok, par, val, max_depth=d)
+        keys = depth_keys(trial, np.arange(3), np.zeros(3), cache.lengths + 1, d)
+        temp, top_k, top_p = jnp.array([0.0, 1.0, 0.8]), jnp.array([0, 0, 5]), jnp.array([1.0, 0.9, 1.0])
+        out = verify_tree(policy, cache, tree, keys, temp, top_k, top_p, jnp.array([-1]), jnp.full(3, 20),
+                          jnp.ones(3, bool), max_depth=d)
+        logits = tree_forward(policy, cache, tree, d).logits
+        acc = accept_tree(tree, sample_tree(logits, tree, keys, temp, top_k, top_p), d)
+        np.testing.assert_array_equal(np.asarray(out.accept_len), np.asarray(acc.accept_len))
+        for b in range(3):
+            a = int(acc.accept_len[b]) + 1
+            np.testing.assert_array_equal(np.asarray(out.path[b, :a]), np.asarray(acc.path[b, :a]))
+        ref_tok = np.asarray(_gather_np(sample_tree(logits, tree, keys, temp, top_k, top_p), acc.path))
+        got = np.asarray(out.tokens)
+        for b in range(3):
+            a = int(acc.accept_len[b]) + 1
+            np.testing.assert_array_equal(got[b, :a], ref_tok[b, :a])
+
+
+def _gather_np(x, idx):
+    return np.take_along_axis(np.asarray(x), np.asarray(idx), axis=1)
+
+
 def test_eagle_draft_matches_sequential_reference(policy, drafter):
     depth, topk, n = 3, 3, 12
     prompts = PROMPTS[:2]

@@ -1,6 +1,6 @@
 """EAGLE drafter: module, loss and train step, save/load and EAGLE/SGLang export, offline warm-up (``warmup``)."""
 
-from tlt_jax.drafter.eagle import EagleDrafter, num_trainable_params
+from tlt_jax.drafter.eagle import DraftVocab, EagleDrafter, draft_head, frequent_tokens, num_trainable_params
 from tlt_jax.drafter.export import eagle_config, export_eagle, import_eagle, load_drafter, save_drafter
 from tlt_jax.drafter.train import (
     DrafterBatch,
@@ -19,6 +19,7 @@ from tlt_jax.drafter.train import (
 )
 
 __all__ = [
+    "DraftVocab",
     "DrafterBatch",
     "EagleDrafter",
     "LossConfig",
@@ -26,9 +27,11 @@ __all__ = [
     "OptimConfig",
     "TrainState",
     "batch_sharding",
+    "draft_head",
     "drafter_loss",
     "eagle_config",
     "export_eagle",
+    "frequent_tokens",
     "import_eagle",
     "init_train_state",
     "load_drafter",

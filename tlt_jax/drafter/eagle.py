@@ -2,6 +2,12 @@
 
 The policy's embedding and LM head are shared and frozen: the drafter holds neither; callers pass the policy (its
 ``embed`` / ``logits_from_hidden``) at call time, so only fc + the layer are trainable drafter state.
+
+Optional draft vocabulary (FR-Spec / EAGLE-3 style): ``set_draft_vocab(ids)`` restricts the tokens the drafter can
+*propose* to a frequent subset. Tree drafting then runs the LM head over those rows of the policy's head only (the
+head is the largest matrix the drafter touches: 49k x 576 for SmolLM2, read once per tree depth). Verification is
+unchanged, so this affects acceptance, never losslessness. The ids are not trainable and are saved next to the
+weights.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from tlt_jax.models.layers import DecoderLayer, param, rope_cos_sin
 from tlt_jax.models.transformer import build_new_token_mask
 
 
+class DraftVocab(nnx.Variable):
+    """Sorted int32 token ids the drafter may propose (not trained)."""
+
+
 class EagleDrafter(nnx.Module):
     """Single-layer EAGLE drafter of the policy's shape (``cfg`` is the policy's config)."""
 
@@ -26,6 +36,22 @@ class EagleDrafter(nnx.Module):
         self.fc_kernel = param(rngs, (2 * h, h), (None, "embed"), param_dtype)
         self.fc_bias = param(rngs, (h,), ("norm",), param_dtype, nnx.initializers.zeros)
         self.layer = DecoderLayer(cfg, input_norm=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.draft_vocab = nnx.data(None)
+
+    def set_draft_vocab(self, ids) -> None:
+        """Restrict proposals to ``ids`` (any order, duplicates dropped); None = the full vocabulary."""
+        if ids is None:
+            self.draft_vocab = nnx.data(None)
+            return
+        ids = np.unique(np.asarray(ids, np.int64))
+        if ids.size == 0 or ids[0] < 0 or ids[-1] >= self.config.vocab_size:
+            raise ValueError(f"draft vocab ids must be non-empty and in [0, {self.config.vocab_size})")
+        self.draft_vocab = DraftVocab(jnp.asarray(ids, jnp.int32))
+
+    def vocab_ids(self) -> jax.Array | None:
+        """The draft vocabulary [Vd] int32, or None (full vocabulary)."""
+        v = self.draft_vocab
+        return None if v is None else v[...]
 
     def fuse(self, token_emb: jax.Array, feature: jax.Array) -> jax.Array:
         """fc over [embed(x_{t+1}); h_t] (embedding first, as EAGLE does)."""
@@ -50,6 +76,27 @@ class EagleDrafter(nnx.Module):
         x = self.fuse(policy.embed(next_tokens), features)
         h, _ = self.layer_forward(x, positions, mask)
         return h
+
+
+def draft_head(policy, drafter: EagleDrafter):
+    """(head, ids): ``head(h)`` gives LM-head logits over the draft vocabulary (all of it when ids is None); column j
+    is token ``ids[j]``. The head rows are gathered once per call (the policy may have been updated since)."""
+    ids = drafter.vocab_ids() if isinstance(drafter, EagleDrafter) else None
+    if ids is None:
+        return policy.logits_from_hidden, None
+    if policy.lm_head is None:
+        w = jnp.take(policy.embed_tokens[...], ids, axis=0).astype(policy.dtype)  # [Vd, H]
+    else:
+        w = jnp.take(policy.lm_head[...], ids, axis=1).T.astype(policy.dtype)
+    return (lambda h: jnp.einsum("...e,ve->...v", h, w)), ids
+
+
+def frequent_tokens(sequences, size: int, always=()) -> np.ndarray:
+    """The ``size`` most frequent token ids over ``sequences`` (ties: lower id first), plus ``always``."""
+    counts = np.bincount(np.concatenate([np.asarray(s, np.int64).ravel() for s in sequences]))
+    order = np.lexsort((np.arange(len(counts)), -counts))
+    top = order[counts[order] > 0][:size]
+    return np.unique(np.concatenate([top, np.asarray(list(always), np.int64)]))
 
 
 def num_trainable_params(drafter: EagleDrafter) -> int:

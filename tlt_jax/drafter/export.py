@@ -21,6 +21,7 @@ from tlt_jax.models.config import ModelConfig, RopeScaling
 
 CONFIG_FILE = "tlt_drafter.json"
 WEIGHTS_FILE = "drafter.safetensors"
+VOCAB_FILE = "draft_vocab.npy"  # optional: the draft vocabulary (EagleDrafter.set_draft_vocab)
 EAGLE_WEIGHTS_FILE = "model.safetensors"
 _ARCH = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
 
@@ -37,7 +38,7 @@ def config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def _flat(drafter: EagleDrafter) -> dict[str, np.ndarray]:
+def _flat(drafter: EagleDrafter) -> dict[str, np.ndarray]:  # trainable tensors only (not the draft vocab)
     return {".".join(map(str, p)): np.asarray(jax.device_get(v.get_value()))
             for p, v in nnx.to_flat_state(nnx.state(drafter, nnx.Param))}
 
@@ -69,12 +70,20 @@ def save_drafter(drafter: EagleDrafter, path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: np.ascontiguousarray(v) for k, v in _flat(drafter).items()}, str(path / WEIGHTS_FILE))
     (path / CONFIG_FILE).write_text(json.dumps({"policy_config": config_to_dict(drafter.config)}, indent=1))
+    vocab = drafter.vocab_ids()
+    if vocab is not None:
+        np.save(path / VOCAB_FILE, np.asarray(vocab, np.int32))
+    elif (path / VOCAB_FILE).exists():
+        (path / VOCAB_FILE).unlink()
 
 
 def load_drafter(path, dtype=jnp.float32) -> EagleDrafter:
     path = pathlib.Path(path)
     cfg = config_from_dict(json.loads((path / CONFIG_FILE).read_text())["policy_config"])
-    return _build(cfg, load_file(str(path / WEIGHTS_FILE)), str(path), dtype)
+    drafter = _build(cfg, load_file(str(path / WEIGHTS_FILE)), str(path), dtype)
+    if (path / VOCAB_FILE).exists():
+        drafter.set_draft_vocab(np.load(path / VOCAB_FILE))
+    return drafter
 
 
 # --------------------------------------------------------------------------------------------- EAGLE / SGLang layout

@@ -3,6 +3,11 @@
 loss = value_weight * SmoothL1(ĥ_{t+1}, h_{t+1}) + prob_weight * CE(softmax(lm_head(h_{t+1})), log_softmax(lm_head(ĥ)))
 masked to pairs whose input token x_{t+1} is a response token, normalised by the number of such pairs. Samples are
 packed into rows with segment ids: no attention across samples, positions are each sample's own positions.
+
+Options (``LossConfig``): ``vocab`` restricts the token loss to the drafter's draft vocabulary (target renormalised
+over it, as EAGLE-3 does; the LM head then costs |vocab| / V of the full one), ``unroll`` > 1 adds EAGLE-3's
+"training-time test": pass j feeds the drafter its own predicted features from pass j-1 (shifted one position, as at
+tree depth j) and is weighted ``unroll_decay ** (j - 1)``.
 """
 
 from __future__ import annotations
@@ -39,12 +44,16 @@ class LossConfig:
     value_weight: float = 1.0
     prob_weight: float = 0.1
     noise_std: float = 0.0  # EAGLE's uniform feature noise: (U(0,1) - 0.5) * noise_std * 512 / H
+    vocab: tuple[int, ...] | None = None  # token loss over these ids only (the drafter's draft vocabulary)
+    unroll: int = 1  # training-time test: passes fed with the drafter's own features
+    unroll_decay: float = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     learning_rate: float = 3e-4
     warmup_steps: int = 0
+    decay_steps: int = 0  # > 0: cosine decay to 10% of the peak over this many steps (after the warm-up)
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.95
@@ -53,7 +62,10 @@ class OptimConfig:
 
 def make_optimizer(cfg: OptimConfig = OptimConfig()) -> optax.GradientTransformation:
     lr = cfg.learning_rate
-    if cfg.warmup_steps > 0:
+    if cfg.decay_steps > 0:
+        lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1),
+                                                cfg.warmup_steps + cfg.decay_steps, 0.1 * cfg.learning_rate)
+    elif cfg.warmup_steps > 0:
         lr = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                        optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
@@ -120,22 +132,51 @@ def smooth_l1(x: jax.Array) -> jax.Array:
 
 
 def drafter_loss(drafter, policy, batch: DrafterBatch, cfg: LossConfig = LossConfig(), key=None):
-    """Scalar loss and LossMetrics. The policy (embedding, LM head) is frozen: no gradient flows into it."""
+    """Scalar loss and LossMetrics (of the first pass). The policy (embedding, LM head) is frozen: no gradient
+    flows into it."""
     policy = jax.lax.stop_gradient(policy)
     feats = batch.features
     if cfg.noise_std > 0 and key is not None:
         u = jax.random.uniform(key, feats.shape, feats.dtype)
         feats = feats + (u - 0.5) * cfg.noise_std * 512.0 / feats.shape[-1]
-    h_hat = drafter(policy, batch.next_tokens, feats, positions=batch.positions, segment_ids=batch.segment_ids)
+    if cfg.vocab is None:
+        head = policy.logits_from_hidden
+    else:
+        w = jnp.take(policy.embed_tokens[...] if policy.lm_head is None else policy.lm_head[...].T,
+                     jnp.asarray(cfg.vocab, jnp.int32), axis=0)
+        head = lambda h: jnp.einsum("...e,ve->...v", h, w.astype(h.dtype))
     mask = batch.loss_mask.astype(jnp.float32)
     denom = jnp.maximum(mask.sum(), 1.0)
-    vloss = (smooth_l1(h_hat.astype(jnp.float32) - batch.targets.astype(jnp.float32)).mean(-1) * mask).sum() / denom
-    tgt = jax.nn.softmax(policy.logits_from_hidden(batch.targets).astype(jnp.float32), axis=-1)
-    logq = jax.nn.log_softmax(policy.logits_from_hidden(h_hat).astype(jnp.float32), axis=-1)
-    ploss = (-(tgt * logq).sum(-1) * mask).sum() / denom
-    top1 = ((jnp.argmax(logq, -1) == jnp.argmax(tgt, -1)) * mask).sum() / denom
-    loss = cfg.value_weight * vloss + cfg.prob_weight * ploss
-    return loss, LossMetrics(loss, vloss, ploss, top1, mask.sum())
+    tgt = jax.nn.softmax(head(batch.targets).astype(jnp.float32), axis=-1)
+    tgt_top = jnp.argmax(tgt, -1)
+    same_seg = jnp.concatenate([jnp.zeros_like(batch.segment_ids[:, :1], bool),
+                                batch.segment_ids[:, 1:] == batch.segment_ids[:, :-1]], axis=1)
+    total, first = 0.0, None
+    for j in range(max(cfg.unroll, 1)):
+        h_hat = drafter(policy, batch.next_tokens, feats, positions=batch.positions, segment_ids=batch.segment_ids)
+        vloss = (smooth_l1(h_hat.astype(jnp.float32) - batch.targets.astype(jnp.float32)).mean(-1) * mask).sum() / denom
+        logq = jax.nn.log_softmax(head(h_hat).astype(jnp.float32), axis=-1)
+        ploss = (-(tgt * logq).sum(-1) * mask).sum() / denom
+        loss = cfg.value_weight * vloss + cfg.prob_weight * ploss
+        total = total + cfg.unroll_decay**j * loss
+        if first is None:
+            top1 = ((jnp.argmax(logq, -1) == tgt_top) * mask).sum() / denom
+            first = (loss, vloss, ploss, top1)
+        # Next pass: entry t sees the feature this pass predicted for position t (made at entry t - 1).
+        prev = jnp.concatenate([feats[:, :1], h_hat[:, :-1].astype(feats.dtype)], axis=1)
+        feats = jnp.where(same_seg[..., None], prev, batch.features)
+    loss, vloss, ploss, top1 = first
+    return total, LossMetrics(loss, vloss, ploss, top1, mask.sum())
+
+
+def _without_vocab(drafter):
+    """The drafter's trainable graph: the (non-trainable) draft vocabulary is detached; ``train_drafter`` re-attaches
+    it to the trained module."""
+    if getattr(drafter, "draft_vocab", None) is None:
+        return drafter
+    drafter = nnx.clone(drafter)
+    drafter.set_draft_vocab(None)
+    return drafter
 
 
 class TrainState(NamedTuple):
@@ -148,6 +189,7 @@ def init_train_state(drafter, optimizer: optax.GradientTransformation, mesh: Mes
                      rules: LogicalRules = LogicalRules()) -> tuple[nnx.GraphDef, TrainState]:
     """Split the drafter into (graphdef, params) and build the optimizer state. With a mesh, params are placed by
     their logical axes, Adam moments follow their params, scalars are replicated."""
+    drafter = _without_vocab(drafter)
     graphdef, params = nnx.split(drafter, nnx.Param)
     params = jax.tree.map(jnp.copy, params)  # the step donates its state: never donate the caller's module
     step = jnp.zeros((), jnp.int32)
@@ -206,4 +248,7 @@ def train_drafter(drafter, policy, batches: Sequence[DrafterBatch], steps: int, 
             h = history[-1]
             log(f"step {i}: loss {h['loss']:.4f} value {h['value_loss']:.4f} prob {h['prob_loss']:.4f} "
                 f"top1 {h['top1']:.3f}")
-    return nnx.merge(graphdef, jax.device_get(state.params)), history
+    trained = nnx.merge(graphdef, jax.device_get(state.params))
+    if getattr(drafter, "draft_vocab", None) is not None:
+        trained.set_draft_vocab(np.asarray(drafter.vocab_ids()))
+    return trained, history

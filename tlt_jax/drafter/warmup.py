@@ -1,18 +1,23 @@
 """Offline drafter warm-up on the policy's own generations.
 
     python -m tlt_jax.drafter.warmup --model=PATH --out=DIR [--num_prompts=64 --max_new_tokens=128 --steps=200]
+        [--temperatures=0,0.9 --draft_vocab=8192 --unroll=2]
 
-Generates the policy's responses to GSM-style prompts (reasoning-gym ``gsm_symbolic``), recomputes the final-normed
-hidden states with one policy forward per batch, packs (prompt, response) samples with segment ids, trains the EAGLE
-drafter (loss masked to response tokens) and writes DIR/ (our format, ``load_drafter``) and DIR/eagle/ (EAGLE/SGLang
-layout). ``--model`` defaults to the embedded SmolLM2-135M-Instruct; ``--model=tiny`` runs a random tiny model on
-synthetic prompts (seconds, for smoke tests).
+Generates the policy's responses to GSM-style prompts (reasoning-gym ``gsm_symbolic`` training split, chat-templated
+as the policy sees them in RL), once per generation temperature, keeping the policy's final-normed features of every
+fed position from the generation itself (no second forward), packs (prompt, response) samples with segment ids,
+trains the EAGLE drafter (loss masked to response tokens; optional draft vocabulary of the most frequent tokens and
+training-time-test unroll, warm-up + cosine learning rate) and writes DIR/ (our format, ``load_drafter``, with the
+draft vocabulary) and DIR/eagle/ (EAGLE/SGLang layout). ``--model`` defaults to the embedded SmolLM2-135M-Instruct;
+``--model=tiny`` runs a random tiny model on synthetic prompts (seconds, for smoke tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
+import pickle
 import time
 from collections.abc import Sequence
 
@@ -22,8 +27,8 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from tlt_jax.drafter.eagle import EagleDrafter, num_trainable_params
-from tlt_jax.drafter.export import export_eagle, save_drafter
+from tlt_jax.drafter.eagle import EagleDrafter, frequent_tokens, num_trainable_params
+from tlt_jax.drafter.export import export_eagle, load_drafter, save_drafter
 from tlt_jax.drafter.train import LossConfig, OptimConfig, pack_sequences, train_drafter
 from tlt_jax.speculative.generate import pad_prompts, plain_generate
 
@@ -48,23 +53,62 @@ def policy_hidden_states(policy, sequences: Sequence[Sequence[int]], batch_size:
     return out
 
 
+def generate_samples(policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, batch_size: int,
+                     temperatures: Sequence[float], seed: int, stop_tokens, capture_hidden: bool = True, log=print):
+    """(prompt, response, features [T, H] of prompt + response) per prompt and temperature (policy generations)."""
+    t0 = time.perf_counter()
+    out = []
+    for ti, temp in enumerate(temperatures):
+        for i in range(0, len(prompts), batch_size):
+            chunk = [list(p) for p in prompts[i: i + batch_size]]
+            res = plain_generate(policy, chunk, max_new_tokens=max_new_tokens, temperature=temp, seed=seed + ti,
+                                 request_ids=list(range(i, i + len(chunk))), stop_tokens=stop_tokens,
+                                 return_hidden=capture_hidden)
+            hidden = res.hidden or [None] * len(chunk)
+            out += [(p, r, h) for p, r, h in zip(chunk, res.tokens, hidden, strict=True)]
+    n_tok = sum(len(r) for _, r, _ in out)
+    log(f"generated {len(out)} responses ({n_tok} tokens) at temperatures {list(temperatures)} in "
+        f"{time.perf_counter() - t0:.1f}s")
+    if not capture_hidden:
+        hidden = policy_hidden_states(policy, [p + r for p, r, _ in out], batch_size)
+        out = [(p, r, h) for (p, r, _), h in zip(out, hidden, strict=True)]
+    return out
+
+
+def draft_vocabulary(sequences, size: int, vocab_size: int) -> np.ndarray:
+    """The ``size`` most frequent tokens of ``sequences``, topped up with the lowest unused ids (BPE: frequent)."""
+    ids = frequent_tokens(sequences, size)
+    if len(ids) < size:
+        rest = np.setdiff1d(np.arange(min(vocab_size, size + len(ids))), ids)[: size - len(ids)]
+        ids = np.union1d(ids, rest)
+    return ids
+
+
 def run_warmup(policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128, steps: int = 200,
                batch_size: int = 8, row_len: int = 512, rows_per_batch: int = 4, temperature: float = 0.7,
                seed: int = 0, stop_tokens: Sequence[int] | None = None, optim: OptimConfig = OptimConfig(),
-               loss_cfg: LossConfig = LossConfig(), drafter: EagleDrafter | None = None, log=print):
-    """Generate, recompute features, pack, train. Returns (drafter, loss history, generated samples)."""
-    t0 = time.perf_counter()
-    samples = []
-    for i in range(0, len(prompts), batch_size):
-        chunk = [list(p) for p in prompts[i: i + batch_size]]
-        res = plain_generate(policy, chunk, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                             request_ids=list(range(i, i + len(chunk))), stop_tokens=stop_tokens)
-        samples += [(p, r) for p, r in zip(chunk, res.tokens, strict=True)]
-    n_tok = sum(len(r) for _, r in samples)
-    log(f"generated {len(samples)} responses ({n_tok} tokens) in {time.perf_counter() - t0:.1f}s")
-    seqs = [p + r for p, r in samples]
-    hidden = policy_hidden_states(policy, seqs, batch_size)
-    packed = [(np.asarray(s), h, len(p)) for s, h, (p, _) in zip(seqs, hidden, samples, strict=True)]
+               loss_cfg: LossConfig = LossConfig(), drafter: EagleDrafter | None = None, log=print,
+               temperatures: Sequence[float] | None = None, draft_vocab_size: int | None = None,
+               capture_hidden: bool = True, generated=None):
+    """Generate, keep features, pack, train. Returns (drafter, loss history, (prompt, response) samples).
+
+    ``temperatures``: generate every prompt once per temperature (default: ``(temperature,)``);
+    ``draft_vocab_size``: give the drafter a draft vocabulary of that many frequent tokens of the generated data (the
+    token loss is then computed over it too); ``generated``: reuse ``generate_samples`` output instead of generating."""
+    temps = tuple(temperatures) if temperatures is not None else (temperature,)
+    gen = generated if generated is not None else generate_samples(
+        policy, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, temperatures=temps, seed=seed,
+        stop_tokens=stop_tokens, capture_hidden=capture_hidden, log=log)
+    samples = [(p, r) for p, r, _ in gen]
+    # Generation features stop before the last token (never fed): drop it, pairs need h_{t+1}.
+    packed = [(np.asarray(p + r)[: len(h)], h, len(p)) for p, r, h in gen]
+    drafter = drafter or EagleDrafter(policy.config, rngs=nnx.Rngs(seed))
+    if draft_vocab_size:
+        ids = draft_vocabulary([p + r for p, r in samples], draft_vocab_size, policy.config.vocab_size)
+        resp = np.concatenate([np.asarray(r) for _, r in samples])
+        log(f"draft vocabulary: {len(ids)} tokens, covering {np.isin(resp, ids).mean():.4f} of the response tokens")
+        drafter.set_draft_vocab(ids)
+        loss_cfg = dataclasses.replace(loss_cfg, vocab=tuple(int(x) for x in ids))
     order = np.random.default_rng(seed).permutation(len(packed))
     rows = pack_sequences([packed[k] for k in order], row_len)
     n_rows = rows.next_tokens.shape[0]
@@ -72,15 +116,20 @@ def run_warmup(policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int 
     rows = jax.tree.map(lambda x: np.concatenate([x] * reps), rows)
     batches = [jax.tree.map(lambda x, j=j: x[j: j + rows_per_batch], rows)
                for j in range(0, rows.next_tokens.shape[0] - rows_per_batch + 1, rows_per_batch)]
-    drafter = drafter or EagleDrafter(policy.config, rngs=nnx.Rngs(seed))
     log(f"drafter: {num_trainable_params(drafter):,} trainable params; {len(batches)} packed batches of "
         f"{rows_per_batch}x{row_len}")
+    t0 = time.perf_counter()
     drafter, history = train_drafter(drafter, policy, batches, steps, optim=optim, loss_cfg=loss_cfg, seed=seed,
                                      log_every=max(1, steps // 10), log=log)
+    log(f"trained {steps} steps in {time.perf_counter() - t0:.1f}s")
     return drafter, history, samples
 
 
 _FLAGS = flags.FLAGS
+
+
+_OWN_FLAGS = ("model", "num_prompts", "max_new_tokens", "steps", "batch_size", "row_len", "rows_per_batch",
+              "temperature", "temperatures", "learning_rate", "warmup_steps", "draft_vocab", "unroll", "init", "seed")
 
 
 def define_flags():
@@ -93,13 +142,23 @@ def define_flags():
     flags.DEFINE_integer("batch_size", 8, "generation batch size")
     flags.DEFINE_integer("row_len", 512, "packed row length (pairs)")
     flags.DEFINE_integer("rows_per_batch", 4, "packed rows per training batch")
-    flags.DEFINE_float("temperature", 0.7, "generation temperature (0 = greedy)")
-    flags.DEFINE_float("learning_rate", 3e-4, "AdamW learning rate")
+    flags.DEFINE_float("temperature", 0.7, "generation temperature (0 = greedy), unless --temperatures")
+    flags.DEFINE_list("temperatures", None, "generate every prompt at each of these temperatures")
+    flags.DEFINE_float("learning_rate", 3e-4, "AdamW peak learning rate")
+    flags.DEFINE_integer("warmup_steps", 0, "linear learning-rate warm-up steps (then cosine decay to 10%)")
+    flags.DEFINE_integer("draft_vocab", 0, "draft vocabulary size (0 = full vocabulary)")
+    flags.DEFINE_integer("unroll", 1, "training-time-test passes (1 = plain EAGLE loss)")
+    flags.DEFINE_string("init", None, "start from this drafter directory (continue training)")
+    flags.DEFINE_string("samples", None, "pickle of the generated samples: read if it exists, else written")
     flags.DEFINE_integer("seed", 0, "seed for prompts, sampling and init")
 
 
-def load_policy_and_prompts(model: str | None, num_prompts: int, seed: int):
-    """(policy, prompt token lists, stop tokens)."""
+EVAL_SIZE = 64  # held-out GSM prompts for benchmarks (split="eval"); the training split excludes them
+
+
+def load_policy_and_prompts(model: str | None, num_prompts: int, seed: int, split: str | None = None):
+    """(policy, prompt token lists, stop tokens). ``split``: None = ``num_prompts`` problems from ``seed``;
+    "train" / "eval" = the disjoint training / held-out splits (``gsm_symbolic_splits``, eval size EVAL_SIZE)."""
     if model == "tiny":
         from tlt_jax.models import CausalLM, tiny_config
 
@@ -107,7 +166,7 @@ def load_policy_and_prompts(model: str | None, num_prompts: int, seed: int):
         rng = np.random.default_rng(seed)
         return policy, [list(rng.integers(2, 256, size=int(rng.integers(8, 24)))) for _ in range(num_prompts)], None
     from tlt_jax.data.prompts import PromptFormatter
-    from tlt_jax.data.sources import gsm_symbolic_examples
+    from tlt_jax.data.sources import gsm_symbolic_examples, gsm_symbolic_splits
     from tlt_jax.models import load_model_and_tokenizer
 
     if model is None:
@@ -119,22 +178,49 @@ def load_policy_and_prompts(model: str | None, num_prompts: int, seed: int):
             raise app.UsageError(f"no --model given and the embedded SmolLM2 is unavailable ({e}); pass --model") from e
     policy, tok = load_model_and_tokenizer(model)
     fmt = PromptFormatter(chat_template=tok.apply_chat_template if tok.chat_template else None)
-    examples = gsm_symbolic_examples(num_prompts, seed, fmt)
+    if split is None:
+        examples = gsm_symbolic_examples(num_prompts, seed, fmt)
+    elif split == "train":
+        examples = gsm_symbolic_splits(num_prompts, EVAL_SIZE, train_seed=seed, formatter=fmt).train
+    elif split == "eval":
+        if num_prompts > EVAL_SIZE:
+            raise ValueError(f"at most {EVAL_SIZE} held-out prompts")
+        examples = gsm_symbolic_splits(1, EVAL_SIZE, formatter=fmt).eval[:num_prompts]
+    else:
+        raise ValueError(f"split must be None, 'train' or 'eval', got {split!r}")
     return policy, [tok.encode(ex["prompt_text"]) for ex in examples], tuple(tok.eos_token_ids) or None
 
 
 def main(argv):
     del argv
-    policy, prompts, stops = load_policy_and_prompts(_FLAGS.model, _FLAGS.num_prompts, _FLAGS.seed)
+    split = None if _FLAGS.model == "tiny" else "train"
+    policy, prompts, stops = load_policy_and_prompts(_FLAGS.model, _FLAGS.num_prompts, _FLAGS.seed, split)
+    temps = None if _FLAGS.temperatures is None else [float(t) for t in _FLAGS.temperatures]
+    optim = OptimConfig(learning_rate=_FLAGS.learning_rate, warmup_steps=_FLAGS.warmup_steps,
+                        decay_steps=max(_FLAGS.steps - _FLAGS.warmup_steps, 0) if _FLAGS.warmup_steps else 0)
+    cache = pathlib.Path(_FLAGS.samples) if _FLAGS.samples else None
+    generated = None
+    if cache is not None and cache.exists():
+        generated = pickle.loads(cache.read_bytes())
+    elif cache is not None:
+        generated = generate_samples(policy, prompts, max_new_tokens=_FLAGS.max_new_tokens,
+                                     batch_size=_FLAGS.batch_size, temperatures=temps or (_FLAGS.temperature,),
+                                     seed=_FLAGS.seed, stop_tokens=stops)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_bytes(pickle.dumps(generated))
     drafter, history, samples = run_warmup(
         policy, prompts, max_new_tokens=_FLAGS.max_new_tokens, steps=_FLAGS.steps, batch_size=_FLAGS.batch_size,
         row_len=_FLAGS.row_len, rows_per_batch=_FLAGS.rows_per_batch, temperature=_FLAGS.temperature,
-        seed=_FLAGS.seed, stop_tokens=stops, optim=OptimConfig(learning_rate=_FLAGS.learning_rate))
+        seed=_FLAGS.seed, stop_tokens=stops, optim=optim, temperatures=temps,
+        draft_vocab_size=_FLAGS.draft_vocab or None, loss_cfg=LossConfig(unroll=_FLAGS.unroll),
+        drafter=load_drafter(_FLAGS.init) if _FLAGS.init else None, generated=generated)
     out = pathlib.Path(_FLAGS.out)
     save_drafter(drafter, out)
     export_eagle(drafter, out / "eagle")
     summary = {"model": _FLAGS.model or "default", "num_samples": len(samples), "steps": _FLAGS.steps,
-               "first": history[0], "last": history[-1]}
+               "response_tokens": sum(len(r) for _, r in samples), "flags": {k: _FLAGS[k].value for k in _OWN_FLAGS},
+               "first": history[0], "last": history[-1],
+               "last10_top1": float(np.mean([h["top1"] for h in history[-10:]]))}
     (out / "warmup.json").write_text(json.dumps(summary, indent=1))
     print(f"saved drafter to {out} (EAGLE layout in {out / 'eagle'}); loss {history[0]['loss']:.4f} -> "
           f"{history[-1]['loss']:.4f}, top-1 {history[0]['top1']:.3f} -> {history[-1]['top1']:.3f}")

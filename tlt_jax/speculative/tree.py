@@ -176,21 +176,36 @@ def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: i
     sees the committed drafter cache plus its own frontier ancestors, whose keys live in scratch slots just past the
     committed length) and records the k*k children with cumulative log-prob; the best k become the next frontier.
     Finally the best N-1 candidates are kept (``select_tree``). Scratch slots are garbage beyond the committed length
-    (masked by length, overwritten by the next extend); the drafter cache needs (depth - 1) * topk spare slots.
+    (masked by length, overwritten by the next extend); the drafter cache needs (depth - 1) * topk spare slots. Pass a
+    ``cache.view`` covering the longest row + scratch to bound the attention reads. With a draft vocabulary on the
+    drafter (``EagleDrafter.set_draft_vocab``) the LM head runs over those tokens only.
     """
+    from tlt_jax.drafter.eagle import draft_head
+
     cfg = policy.config
-    if topk > cfg.vocab_size:
-        raise ValueError(f"topk={topk} exceeds the vocabulary ({cfg.vocab_size})")
+    head, ids = draft_head(policy, drafter)
+    vocab = cfg.vocab_size if ids is None else ids.shape[0]
+    if topk > vocab:
+        raise ValueError(f"topk={topk} exceeds the draft vocabulary ({vocab})")
     if depth < 1 or num_nodes < 1:
         raise ValueError(f"depth ({depth}) and num_nodes ({num_nodes}) must be >= 1")
+
+    def top_children(h):
+        """Top-k (log-prob, token) of the drafter's distribution at features h [..., H]: log-probs from the top
+        logits minus the logsumexp (no full log_softmax materialised)."""
+        logits = head(h).astype(jnp.float32)
+        val, idx = jax.lax.top_k(logits, k)
+        lp = val - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        tok = idx if ids is None else jnp.take(ids, idx)
+        return lp, tok.astype(jnp.int32)
+
     cache = state.cache
     b, k = root.shape[0], topk
     lengths = cache.lengths
     s = cache.max_len
-    logp0 = jax.nn.log_softmax(policy.logits_from_hidden(state.feature).astype(jnp.float32), axis=-1)
-    score, tok = jax.lax.top_k(logp0, k)
-    cand_score, cand_tok, cand_par = [score], [tok.astype(jnp.int32)], [jnp.full((b, k), -1, jnp.int32)]
-    front_tok, front_score = tok.astype(jnp.int32), score
+    score, tok = top_children(state.feature)
+    cand_score, cand_tok, cand_par = [score], [tok], [jnp.full((b, k), -1, jnp.int32)]
+    front_tok, front_score = tok, score
     front_idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
     front_feat = jnp.broadcast_to(state.feature[:, None, :], (b, k, state.feature.shape[-1]))
     n_scratch = (depth - 1) * k
@@ -212,10 +227,9 @@ def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: i
         slots = lengths[:, None] + (i - 1) * k + jnp.arange(k)[None, :]
         kc = kc.at[rows, slots].set(kn.astype(kc.dtype), mode="drop")
         vc = vc.at[rows, slots].set(vn.astype(vc.dtype), mode="drop")
-        logp = jax.nn.log_softmax(policy.logits_from_hidden(h).astype(jnp.float32), axis=-1)
-        child_lp, child_tok = jax.lax.top_k(logp, k)  # [B, k, k], distinct tokens per parent
+        child_lp, child_tok = top_children(h)  # [B, k, k], distinct tokens per parent
         cum = (front_score[:, :, None] + child_lp).reshape(b, k * k)
-        child_tok = child_tok.reshape(b, k * k).astype(jnp.int32)
+        child_tok = child_tok.reshape(b, k * k)
         cand_score.append(cum)
         cand_tok.append(child_tok)
         cand_par.append(jnp.repeat(front_idx, k, axis=1))
@@ -236,15 +250,17 @@ def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: i
 
 
 def drafter_extend(policy, drafter, state: DraftState, hidden: jax.Array, next_tokens: jax.Array,
-                   count: jax.Array) -> DraftState:
+                   count: jax.Array, *, attend_len: int | None = None) -> DraftState:
     """Append pairs (h_t, x_{t+1}) to the drafter cache: hidden [B, T, H] are the policy's final-normed features at
     positions length .. length+T-1, next_tokens [B, T] the tokens one ahead; only the first count[b] pairs count.
 
     Used after prefill (T = prompt length, next tokens = prompt[1:] + first sampled token) and after each verification
     (T = max_depth + 1: the accepted path's features and the emitted tokens). The new feature is the output of the
-    last valid pair (unchanged for rows with count 0).
+    last valid pair (unchanged for rows with count 0). attend_len (static): attention reads only the first
+    attend_len cache positions (>= every committed length); the new pairs still go to the full cache.
     """
     cache = state.cache
+    seen = cache if attend_len is None else cache.view(attend_len)
     b, t = next_tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = jnp.arange(t)[None, :] < count[:, None]
@@ -252,7 +268,7 @@ def drafter_extend(policy, drafter, state: DraftState, hidden: jax.Array, next_t
     new_mask = causal & valid[:, None, :] | jnp.eye(t, dtype=bool)[None]
     tokens = jnp.where(valid, next_tokens, 0)
     x = drafter.fuse(policy.embed(tokens), hidden)
-    h, (kn, vn) = drafter.layer_forward(x, positions, new_mask, cache.k[0], cache.v[0], cache.attention_mask(t))
+    h, (kn, vn) = drafter.layer_forward(x, positions, new_mask, seen.k[0], seen.v[0], seen.attention_mask(t))
     cache = cache.append(kn[None], vn[None], count.astype(jnp.int32))
     last = _gather(h, jnp.maximum(count - 1, 0)[:, None].astype(jnp.int32))[:, 0]
     feature = jnp.where((count > 0)[:, None], last.astype(state.feature.dtype), state.feature)

@@ -63,9 +63,17 @@ def sample_tree(logits: jax.Array, tree: Tree, keys: jax.Array, temperature, top
     """[B, N] one sample per node from the processed distribution of its logits, keyed by the node's depth."""
     b, n, _ = logits.shape
     bcast = lambda x: jnp.broadcast_to(jnp.asarray(x).reshape(-1, 1) if jnp.ndim(x) else x, (b, n))
-    logp = processed_logprobs(logits, bcast(temperature), bcast(top_k), bcast(top_p))
-    node_keys = jnp.take_along_axis(keys, jnp.clip(tree.depth, 0, keys.shape[1] - 1), axis=1)
-    return sample_from_logprobs(node_keys, logp)
+    temperature, top_k, top_p = bcast(temperature), bcast(top_k), bcast(top_p)
+
+    def greedy(_):  # all-greedy batch: the argmax directly (what the processed one-hot gives), no sort or noise
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sample(_):
+        logp = processed_logprobs(logits, temperature, top_k, top_p)
+        node_keys = jnp.take_along_axis(keys, jnp.clip(tree.depth, 0, keys.shape[1] - 1), axis=1)
+        return sample_from_logprobs(node_keys, logp)
+
+    return jax.lax.cond(jnp.all(temperature <= 0.0), greedy, sample, None)
 
 
 def accept_tree(tree: Tree, samples: jax.Array, max_depth: int) -> Acceptance:
@@ -84,13 +92,50 @@ def accept_tree(tree: Tree, samples: jax.Array, max_depth: int) -> Acceptance:
     return Acceptance(accepted, deepest, accept_len, path)
 
 
+def _walk(logits, tree: Tree, keys, temperature, top_k, top_p, active, max_depth: int):
+    """Rule S as the walk it describes: from the root, sample the current node with its depth's key; descend into the
+    child carrying that token; stop at the first miss. Only the nodes on the realised path are ever sampled, so the
+    per-node transform (a full-vocabulary sort for top-k / top-p) runs accept_len + 1 times per row instead of N, and
+    the loop exits as soon as every row has missed. The samples are exactly those ``sample_tree`` + ``accept_tree``
+    would give on the path (same logits row, same key, same transform). Returns (path, accept_len, emitted)."""
+    b, n, _ = logits.shape
+    width = max_depth + 1
+    rows = jnp.arange(b)
+    not_root = jnp.arange(n)[None, :] > 0
+
+    def cond(c):
+        d, _, alive, _, _ = c
+        return (d < width) & jnp.any(alive)
+
+    def body(c):
+        d, node, alive, path, emitted = c
+        row_logits = logits[rows, node]  # [B, V]
+        logp = processed_logprobs(row_logits, temperature, top_k, top_p)
+        s = sample_from_logprobs(jax.lax.dynamic_index_in_dim(keys, d, axis=1, keepdims=False), logp)
+        emitted = jax.lax.dynamic_update_index_in_dim(emitted, jnp.where(alive, s, 0), d, axis=1)
+        child = tree.valid & not_root & (tree.parent == node[:, None]) & (tree.tokens == s[:, None])
+        found = alive & jnp.any(child, axis=1) & (d < max_depth)
+        nxt = jnp.where(found, jnp.argmax(child, axis=1).astype(jnp.int32), 0)
+        path = jax.lax.dynamic_update_index_in_dim(path, nxt, jnp.minimum(d + 1, max_depth), axis=1)
+        path = jnp.where((d < max_depth), path, c[3])
+        return d + 1, jnp.where(found, nxt, node), found, path, emitted
+
+    init = (jnp.int32(0), jnp.zeros((b,), jnp.int32), active, jnp.zeros((b, width), jnp.int32),
+            jnp.zeros((b, width), jnp.int32))
+    _, last, _, path, emitted = jax.lax.while_loop(cond, body, init)
+    accept_len = jnp.take_along_axis(tree.depth, last[:, None], axis=1)[:, 0]
+    return path, accept_len, emitted
+
+
 def truncate(tokens, n, stop_tokens, remaining, active):
     """Emitted count after stopping exactly as plain decoding: up to and including the first stop token, at most
-    ``remaining`` tokens, 0 for inactive rows. Returns (count, finished)."""
+    ``remaining`` tokens, 0 for inactive rows. stop_tokens: [S] for every row, or [B, S] per row (-1 pads).
+    Returns (count, finished)."""
     width = tokens.shape[1]
     pos = jnp.arange(width, dtype=jnp.int32)[None, :]
-    stop_tokens = jnp.asarray(stop_tokens, jnp.int32).reshape(-1)
-    is_stop = jnp.any(tokens[..., None] == stop_tokens[None, None, :], axis=-1) & (pos < n[:, None])
+    stop_tokens = jnp.asarray(stop_tokens, jnp.int32)
+    stop_tokens = stop_tokens[:, None, :] if stop_tokens.ndim == 2 else stop_tokens.reshape(-1)[None, None, :]
+    is_stop = jnp.any(tokens[..., None] == stop_tokens, axis=-1) & (pos < n[:, None])
     first_stop = jnp.min(jnp.where(is_stop, pos, width), axis=1)
     count = jnp.minimum(jnp.minimum(n, first_stop + 1), remaining)
     count = jnp.where(active, jnp.maximum(count, 0), 0).astype(jnp.int32)
@@ -99,33 +144,47 @@ def truncate(tokens, n, stop_tokens, remaining, active):
 
 
 def verify_tree(policy, cache: KVCache, tree: Tree, keys, temperature, top_k, top_p, stop_tokens, remaining,
-                active, *, max_depth: int) -> VerifyOutput:
+                active, *, max_depth: int, attend_len: int | None = None) -> VerifyOutput:
     """Verify a tree for every row and commit the accepted path's KV (root + accepted nodes that precede the last
     emitted token: the last emitted token is the next root and gets its KV when it is fed, as in plain decoding).
 
-    keys [B, D+1] from ``depth_keys``; temperature/top_k/top_p [B]; stop_tokens [S] (-1 pads); remaining [B] tokens
-    left in each row's budget (>= 1 for active rows); active [B] bool. The cache needs max_depth + 1 free slots.
+    keys [B, D+1] from ``depth_keys``; temperature/top_k/top_p [B]; stop_tokens [S] or [B, S] (-1 pads); remaining
+    [B] tokens left in each row's budget (>= 1 for active rows); active [B] bool. The commit writes at most
+    ``remaining`` rows past the committed length. attend_len (static): the forward reads only the first attend_len
+    cache positions (a length bucket >= every committed length); the commit still goes to the full cache.
     """
-    out = tree_forward(policy, cache, tree, max_depth)
-    samples = sample_tree(out.logits, tree, keys, temperature, top_k, top_p)
-    acc = accept_tree(tree, samples, max_depth)
+    out = tree_forward(policy, cache if attend_len is None else cache.view(attend_len), tree, max_depth)
+    b = tree.tokens.shape[0]
+    active = jnp.broadcast_to(jnp.asarray(active, bool), (b,))
+    temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(x, dt), (b,)) for x, dt in
+                                 ((temperature, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32)))
+
+    def greedy(_):  # all-greedy batch: argmax at every node (what the processed one-hot gives), no sort or noise
+        samples = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+        acc = accept_tree(tree, samples, max_depth)
+        return acc.path, acc.accept_len, _gather(samples, acc.path)
+
+    def sampled(_):
+        return _walk(out.logits, tree, keys, temperature, top_k, top_p, active, max_depth)
+
+    path, accept_len, emitted = jax.lax.cond(jnp.all(temperature <= 0.0), greedy, sampled, None)
     width = max_depth + 1
-    emitted = _gather(samples, acc.path)
-    count, finished = truncate(emitted, acc.accept_len + 1, stop_tokens, jnp.asarray(remaining), jnp.asarray(active))
+    count, finished = truncate(emitted, accept_len + 1, stop_tokens, jnp.asarray(remaining), active)
     keep = jnp.arange(width)[None, :] < count[:, None]
-    raw = jax.nn.log_softmax(_gather(out.logits, acc.path).astype(jnp.float32), axis=-1)
-    logprobs = jnp.take_along_axis(raw, emitted[..., None], axis=-1)[..., 0]
+    path_logits = _gather(out.logits, path).astype(jnp.float32)
+    logprobs = (jnp.take_along_axis(path_logits, jnp.maximum(emitted, 0)[..., None], axis=-1)[..., 0]
+                - jax.nn.logsumexp(path_logits, axis=-1))
     root = jnp.take_along_axis(emitted, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
     root = jnp.where(count > 0, root, tree.tokens[:, 0])
-    new_cache = cache.write(out.k_new, out.v_new, acc.path, count)
+    new_cache = cache.write(out.k_new, out.v_new, path, count)
     return VerifyOutput(
         tokens=jnp.where(keep, emitted, -1),
         logprobs=jnp.where(keep, logprobs, 0.0),
         num_emitted=count,
-        accept_len=acc.accept_len,
+        accept_len=accept_len,
         finished=finished,
         root=root,
-        path=acc.path,
-        hidden=_gather(out.hidden, acc.path),
+        path=path,
+        hidden=_gather(out.hidden, path),
         cache=new_cache,
     )
