@@ -4,10 +4,11 @@
         [--temperatures=0,0.9] [--out=benchmarks/results/speculative_smollm2_cpu.json]
 
 Prompts: the held-out GSM-style split (``gsm_symbolic_splits`` eval; the warm-up trains on the disjoint training
-split), chat-templated; batch b = the first b prompts, stop tokens ignored so b rows stay active for the whole run
-(tokens per row shrink with the batch to bound the runtime: --tokens). For every (batch, temperature): plain decoding,
-then each drafter (n-gram; the EAGLE drafter in --drafter, a ``tlt_jax.drafter.warmup`` output, if given) and tree
-config ``depth x topk x N`` of that batch (--configs_b1, --configs_small for batch 2-4, --configs_large above).
+split), chat-templated; batch b = the first b prompts, generation stops at EOS as in a rollout (a row that ends early
+leaves the batch, so b is the starting active batch; ignoring EOS would measure the drafter on post-EOS junk), at most
+--tokens new tokens per row (shrinking with the batch to bound the runtime). For every (batch, temperature): plain
+decoding, then each drafter (n-gram; the EAGLE drafter in --drafter, a ``tlt_jax.drafter.warmup`` output, if given)
+and tree config ``depth x topk x N`` of that batch (--configs_b1, --configs_small for batch 2-4, --configs_large above).
 Every speculative run is checked token for token against the plain run of the same seed (lossless). Compilation is
 excluded: each run is preceded by a 2-step call with the same shapes (the cache is read whole, sized to the run: one
 compile per shape).
@@ -61,7 +62,7 @@ def main(argv):
     for b, n_new in zip(batches, tokens, strict=False):
         p = prompts[:b]
         for temp in (float(t) for t in _F.temperatures):
-            kw = dict(max_new_tokens=n_new, temperature=temp, seed=0, stop_tokens=(), attend_buckets=False)
+            kw = dict(max_new_tokens=n_new, temperature=temp, seed=0, stop_tokens=stops, attend_buckets=False)
             plain, t_plain = _run(lambda kw=kw, p=p, **k: plain_generate(policy, p, **kw, **k))
             n_tok = sum(len(t) for t in plain.tokens)
             base = dict(batch=b, temperature=temp, tokens=n_tok, plain_seconds=t_plain,
