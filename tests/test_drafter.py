@@ -24,7 +24,7 @@ from tlt_jax.drafter.train import (
     pack_sequences,
     train_drafter,
 )
-from tlt_jax.drafter.warmup import policy_hidden_states, run_warmup
+from tlt_jax.drafter.warmup import generate_samples, policy_hidden_states, run_warmup
 from tlt_jax.models import CausalLM, tiny_config
 from tlt_jax.speculative import speculative_generate
 
@@ -181,6 +181,45 @@ def test_warmup_trains_a_drafter_that_gets_accepted(tmp_path, policy):
     random = speculative_generate(policy, prompts[:4], drafter=EagleDrafter(CFG, rngs=nnx.Rngs(9)), **kw)
     assert trained.tokens == random.tokens == [r for _, r in samples[:4]]
     assert trained.mean_accept > random.mean_accept + 0.5, (trained.mean_accept, random.mean_accept)
+
+
+def test_engine_generated_samples_equal_host_loop_samples(policy):
+    """The warm-up's engine path (batched RolloutEngine + one feature forward) gives the host loop's samples."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 64, size=int(rng.integers(4, 9))).tolist() for _ in range(6)]
+    kw = dict(max_new_tokens=12, batch_size=4, temperatures=(0.0, 0.9), seed=1, stop_tokens=(5,), log=lambda *_: None)
+    host = generate_samples(policy, prompts, **kw)
+    eng = generate_samples(policy, prompts, engine_batch=4, **kw)
+    assert [(p, r) for p, r, _ in eng] == [(p, r) for p, r, _ in host]
+    for (p, r, a), (_, _, b) in zip(eng, host, strict=True):  # the host loop never feeds the last token
+        assert a.shape[0] == len(p) + len(r) == b.shape[0] + 1
+        np.testing.assert_allclose(a[:-1], b, atol=1e-4)
+
+
+def test_warmup_cli_engine_generation_samples_and_continue(tmp_path):
+    """The warm-up program end to end on the tiny model: engine generation written to --samples, then a second run
+    that reads two sample files, continues from the first drafter (--init) and writes both formats."""
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    base = [sys.executable, "-m", "tlt_jax.drafter.warmup", "--model=tiny", "--num_prompts=4", "--max_new_tokens=8",
+            "--steps=3", "--row_len=32", "--rows_per_batch=2", "--draft_vocab=64", "--unroll=2"]
+    pkl = tmp_path / "gen.pkl"
+    first = subprocess.run([*base, f"--out={tmp_path / 'a'}", "--engine_batch=4", "--temperatures=0,0.9",
+                            f"--samples={pkl}"], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert pkl.exists() and (tmp_path / "a" / "eagle" / "model.safetensors").exists()
+    second = subprocess.run([*base, f"--out={tmp_path / 'b'}", f"--samples={pkl},{pkl}", f"--init={tmp_path / 'a'}"],
+                            cwd=repo, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    summary = json.loads((tmp_path / "b" / "warmup.json").read_text())
+    assert summary["num_samples"] == 16 and summary["flags"]["engine_batch"] == 0
+    assert load_drafter(tmp_path / "b").vocab_ids() is not None
+    missing = subprocess.run([*base, f"--out={tmp_path / 'c'}", f"--samples={pkl},{tmp_path / 'nope.pkl'}"],
+                             cwd=repo, capture_output=True, text=True, timeout=600)
+    assert missing.returncode != 0 and "nope.pkl" in missing.stdout + missing.stderr
 
 
 def test_batch_is_a_pytree():

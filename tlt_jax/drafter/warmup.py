@@ -54,11 +54,27 @@ def policy_hidden_states(policy, sequences: Sequence[Sequence[int]], batch_size:
 
 
 def generate_samples(policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, batch_size: int,
-                     temperatures: Sequence[float], seed: int, stop_tokens, capture_hidden: bool = True, log=print):
-    """(prompt, response, features [T, H] of prompt + response) per prompt and temperature (policy generations)."""
+                     temperatures: Sequence[float], seed: int, stop_tokens, capture_hidden: bool = True,
+                     engine_batch: int = 0, log=print):
+    """(prompt, response, features [T, H] of prompt + response) per prompt and temperature (policy generations).
+
+    ``engine_batch`` > 0: generate with the RolloutEngine (that many rows per wave, compaction; much faster than the
+    host loop at large batch) and recompute the features with one policy forward per ``batch_size`` sequences."""
     t0 = time.perf_counter()
     out = []
-    for ti, temp in enumerate(temperatures):
+    if engine_batch:
+        from tlt_jax.rollout import RolloutEngine, SamplingParams
+
+        max_len = max(len(p) for p in prompts) + max_new_tokens + 1
+        engine = RolloutEngine(policy, max_batch=engine_batch, max_len=max_len)
+        for ti, temp in enumerate(temperatures):
+            res = engine.generate(prompts, SamplingParams(temperature=temp, max_new_tokens=max_new_tokens,
+                                                          seed=seed + ti, stop_token_ids=stop_tokens))
+            out += [(list(p), list(r[0]), None) for p, r in zip(prompts, res.tokens, strict=True)]
+            log(f"engine: {sum(len(r[0]) for r in res.tokens)} tokens at temperature {temp}, "
+                f"{res.stats['tokens_per_s']:.1f} tok/s")
+        capture_hidden = False
+    for ti, temp in enumerate(() if engine_batch else temperatures):
         for i in range(0, len(prompts), batch_size):
             chunk = [list(p) for p in prompts[i: i + batch_size]]
             res = plain_generate(policy, chunk, max_new_tokens=max_new_tokens, temperature=temp, seed=seed + ti,
@@ -89,7 +105,7 @@ def run_warmup(policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int 
                seed: int = 0, stop_tokens: Sequence[int] | None = None, optim: OptimConfig = OptimConfig(),
                loss_cfg: LossConfig = LossConfig(), drafter: EagleDrafter | None = None, log=print,
                temperatures: Sequence[float] | None = None, draft_vocab_size: int | None = None,
-               capture_hidden: bool = True, generated=None):
+               capture_hidden: bool = True, engine_batch: int = 0, generated=None):
     """Generate, keep features, pack, train. Returns (drafter, loss history, (prompt, response) samples).
 
     ``temperatures``: generate every prompt once per temperature (default: ``(temperature,)``);
@@ -98,7 +114,7 @@ def run_warmup(policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int 
     temps = tuple(temperatures) if temperatures is not None else (temperature,)
     gen = generated if generated is not None else generate_samples(
         policy, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, temperatures=temps, seed=seed,
-        stop_tokens=stop_tokens, capture_hidden=capture_hidden, log=log)
+        stop_tokens=stop_tokens, capture_hidden=capture_hidden, engine_batch=engine_batch, log=log)
     samples = [(p, r) for p, r, _ in gen]
     # Generation features stop before the last token (never fed): drop it, pairs need h_{t+1}.
     packed = [(np.asarray(p + r)[: len(h)], h, len(p)) for p, r, h in gen]
@@ -128,7 +144,8 @@ def run_warmup(policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int 
 _FLAGS = flags.FLAGS
 
 
-_OWN_FLAGS = ("model", "num_prompts", "max_new_tokens", "steps", "batch_size", "row_len", "rows_per_batch",
+_OWN_FLAGS = ("model", "num_prompts", "max_new_tokens", "steps", "batch_size", "engine_batch", "row_len",
+              "rows_per_batch",
               "temperature", "temperatures", "learning_rate", "warmup_steps", "draft_vocab", "unroll", "init", "seed")
 
 
@@ -139,7 +156,8 @@ def define_flags():
     flags.DEFINE_integer("num_prompts", 64, "GSM-style prompts to generate responses for")
     flags.DEFINE_integer("max_new_tokens", 128, "response length cap")
     flags.DEFINE_integer("steps", 200, "drafter optimiser steps")
-    flags.DEFINE_integer("batch_size", 8, "generation batch size")
+    flags.DEFINE_integer("batch_size", 8, "generation batch size (host loop; feature forward with --engine_batch)")
+    flags.DEFINE_integer("engine_batch", 0, "generate with the RolloutEngine at this batch (0 = host loop)")
     flags.DEFINE_integer("row_len", 512, "packed row length (pairs)")
     flags.DEFINE_integer("rows_per_batch", 4, "packed rows per training batch")
     flags.DEFINE_float("temperature", 0.7, "generation temperature (0 = greedy), unless --temperatures")
@@ -149,7 +167,8 @@ def define_flags():
     flags.DEFINE_integer("draft_vocab", 0, "draft vocabulary size (0 = full vocabulary)")
     flags.DEFINE_integer("unroll", 1, "training-time-test passes (1 = plain EAGLE loss)")
     flags.DEFINE_string("init", None, "start from this drafter directory (continue training)")
-    flags.DEFINE_string("samples", None, "pickle of the generated samples: read if it exists, else written")
+    flags.DEFINE_list("samples", None, "pickles of generated samples: read (and concatenated) if they all exist; "
+                      "a single missing path is generated and written")
     flags.DEFINE_integer("seed", 0, "seed for prompts, sampling and init")
 
 
@@ -198,20 +217,25 @@ def main(argv):
     temps = None if _FLAGS.temperatures is None else [float(t) for t in _FLAGS.temperatures]
     optim = OptimConfig(learning_rate=_FLAGS.learning_rate, warmup_steps=_FLAGS.warmup_steps,
                         decay_steps=max(_FLAGS.steps - _FLAGS.warmup_steps, 0) if _FLAGS.warmup_steps else 0)
-    cache = pathlib.Path(_FLAGS.samples) if _FLAGS.samples else None
-    generated = None
-    if cache is not None and cache.exists():
-        generated = pickle.loads(cache.read_bytes())
-    elif cache is not None:
+    files = [pathlib.Path(f) for f in _FLAGS.samples or ()]
+    generated, cache = None, None
+    if files and all(f.exists() for f in files):
+        generated = [s for f in files for s in pickle.loads(f.read_bytes())]
+    elif len(files) == 1:
+        cache = files[0]
+    elif files:
+        raise app.UsageError(f"--samples: {[str(f) for f in files if not f.exists()]} missing (several files are only "
+                             "read; pass one path to generate and write it)")
+    if cache is not None:
         generated = generate_samples(policy, prompts, max_new_tokens=_FLAGS.max_new_tokens,
                                      batch_size=_FLAGS.batch_size, temperatures=temps or (_FLAGS.temperature,),
-                                     seed=_FLAGS.seed, stop_tokens=stops)
+                                     seed=_FLAGS.seed, stop_tokens=stops, engine_batch=_FLAGS.engine_batch)
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_bytes(pickle.dumps(generated))
     drafter, history, samples = run_warmup(
         policy, prompts, max_new_tokens=_FLAGS.max_new_tokens, steps=_FLAGS.steps, batch_size=_FLAGS.batch_size,
         row_len=_FLAGS.row_len, rows_per_batch=_FLAGS.rows_per_batch, temperature=_FLAGS.temperature,
-        seed=_FLAGS.seed, stop_tokens=stops, optim=optim, temperatures=temps,
+        seed=_FLAGS.seed, stop_tokens=stops, optim=optim, temperatures=temps, engine_batch=_FLAGS.engine_batch,
         draft_vocab_size=_FLAGS.draft_vocab or None, loss_cfg=LossConfig(unroll=_FLAGS.unroll),
         drafter=load_drafter(_FLAGS.init) if _FLAGS.init else None, generated=generated)
     out = pathlib.Path(_FLAGS.out)
