@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax.drafter.eagle import draft_head
 from tlt_jax.rollout.pool import StepKey, StepPool
 from tlt_jax.rollout.state import DecodeState
 from tlt_jax.rollout.steps import StepContext, step_info
@@ -138,11 +139,12 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
     length = key.length
     dlen = min(length + (spec.depth - 1) * spec.topk, ctx.drafter_len)  # committed context + draft scratch
 
-    def one(model, drafter, state: DecodeState):
+    def one(model, drafter, head, state: DecodeState):
         ds: DraftState = state.aux
         view = DraftState(ds.cache.view(dlen), ds.feature)
         tree, _ = eagle_draft(
-            model, drafter, view, state.last_token, depth=spec.depth, topk=spec.topk, num_nodes=spec.verify_tokens
+            model, drafter, view, state.last_token, depth=spec.depth, topk=spec.topk, num_nodes=spec.verify_tokens,
+            head=head,
         )
         out = verify_rows(model, state, tree, spec, length)
         ds = drafter_extend(
@@ -152,6 +154,7 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
 
     def step(params, state: DecodeState):
         model, drafter = ctx.merge(params)
+        head = draft_head(model, drafter)  # draft-vocabulary rows of the LM head: gathered once per call
         zero = jnp.zeros_like(state.num_generated)
 
         def cond(c):
@@ -160,7 +163,7 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
         def body(c):
             i, s, nv, acc = c
             active = ~s.done
-            s, alen = one(model, drafter, s)
+            s, alen = one(model, drafter, head, s)
             return i + 1, s, nv + active, acc + jnp.where(active, alen, 0)
 
         _, state, nv, acc = jax.lax.while_loop(cond, body, (jnp.int32(0), state, zero, zero))

@@ -168,7 +168,8 @@ def select_tree(scores, tokens, parents, root, num_nodes: int, max_depth: int) -
     return make_tree(all_tokens, all_parent, all_valid, max_depth)
 
 
-def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: int, topk: int, num_nodes: int):
+def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: int, topk: int, num_nodes: int,
+                head=None):
     """EAGLE-2 dynamic tree for every row; returns (Tree with max depth ``depth``, drafter cache with scratch).
 
     Depth-1 candidates are the top-k of the root feature's logits. Each of the depth-1 further steps runs the drafter
@@ -178,12 +179,13 @@ def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: i
     Finally the best N-1 candidates are kept (``select_tree``). Scratch slots are garbage beyond the committed length
     (masked by length, overwritten by the next extend); the drafter cache needs (depth - 1) * topk spare slots. Pass a
     ``cache.view`` covering the longest row + scratch to bound the attention reads. With a draft vocabulary on the
-    drafter (``EagleDrafter.set_draft_vocab``) the LM head runs over those tokens only.
+    drafter (``EagleDrafter.set_draft_vocab``) the LM head runs over those tokens only. ``head``: a precomputed
+    ``draft_head(policy, drafter)`` (callers that draft several times per compiled call gather the rows once).
     """
     from tlt_jax.drafter.eagle import draft_head
 
     cfg = policy.config
-    head, ids = draft_head(policy, drafter)
+    head, ids = draft_head(policy, drafter) if head is None else head
     vocab = cfg.vocab_size if ids is None else ids.shape[0]
     if topk > vocab:
         raise ValueError(f"topk={topk} exceeds the draft vocabulary ({vocab})")
