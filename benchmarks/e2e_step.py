@@ -4,7 +4,8 @@ Runs the main job (``tlt_jax.main.run``) on each config for a few steps in a scr
 per-step metrics it records. Step 1 includes XLA compiles (persistent compilation cache on, so a second invocation is
 closer to steady state); steps >= 2 are reported as steady state. Each config runs with speculative decoding off and
 on (``rollout.speculative=ngram``: the model-free n-gram drafter, tree decoding once a wave has <= 32 live rows; an
-EAGLE drafter is not wired into the main job yet); the mean accept length is then in each step's row.
+EAGLE drafter is ``rollout.speculative=eagle`` with ``rollout.drafter_path``); the mean accept length is then in each
+step's row.
 
     python benchmarks/e2e_step.py                              # tiny (20 steps) and gsm8k (2 steps), SD off and on
     python benchmarks/e2e_step.py --configs tiny --steps 10 --modes off

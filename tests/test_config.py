@@ -107,7 +107,12 @@ def test_int_is_accepted_for_float():
         (("data", "source"), "gsm_symbolic", "a random tiny model only fits 'synthetic' data"),
         (("model", "source"), "path", "config.model.path: give a path exactly when source='path'"),
         (("checkpoint", "max_to_keep"), 1, "keep >= 2"),
-        (("rollout", "speculative"), "eagle", r"config.rollout.speculative: must be one of \('off', 'ngram'\)"),
+        (("rollout", "speculative"), "medusa", r"config.rollout.speculative: must be one of \(.*'eagle'\)"),
+        (("rollout", "speculative"), "eagle", r"config.rollout.drafter_path: speculative='eagle' needs a drafter dir"),
+        (("rollout", "spec_depth"), 0, r"config.rollout.spec_depth: must be >= 1"),
+        (("rollout", "spec_topk"), 0, r"config.rollout.spec_topk: must be >= 1"),
+        (("rollout", "spec_verify_tokens"), 1, r"config.rollout.spec_verify_tokens: must be in \[2, 117\]"),
+        (("rollout", "spec_verify_tokens"), 118, r"config.rollout.spec_verify_tokens: must be in \[2, 117\]"),
         (("mesh", "fsdp"), 0, "config.mesh: invalid mesh shape"),
     ],
 )
@@ -116,6 +121,19 @@ def test_invalid_values(path, value, expect):
     d[path[0]][path[1]] = value
     with pytest.raises(ConfigError, match=expect):
         from_config_dict(d)
+
+
+def test_eagle_drafter_path_must_be_a_directory(tmp_path):
+    d = to_config_dict().to_dict()
+    d["rollout"].update(speculative="eagle", drafter_path=str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match=r"config.rollout.drafter_path: '.*nope' is not a directory.*warmup"):
+        from_config_dict(d)
+    d["rollout"].update(drafter_path=str(tmp_path), spec_depth=3, spec_topk=2, spec_verify_tokens=12)
+    with pytest.raises(ConfigError, match=r"config.rollout.spec_verify_tokens: must be in \[2, 11\]"):
+        from_config_dict(d)  # 1 + topk + (depth - 1) * topk^2 = 11
+    d["rollout"]["spec_verify_tokens"] = 11
+    r = from_config_dict(d).rollout
+    assert (r.speculative, r.drafter_path, r.spec_verify_tokens) == ("eagle", str(tmp_path), 11)
 
 
 def test_json_round_trip_and_frozen():

@@ -313,21 +313,65 @@ def test_gsm8k_default_config_one_small_step(tmp_path):
     assert step["train/kl_loss"] == pytest.approx(0.0, abs=1e-4)  # one update from the reference
 
 
+def _tiny_drafter(cfg, path, **overrides):
+    """A random-weight EAGLE drafter of the tiny policy's shape (main.build_model's config), saved to ``path``:
+    losslessness does not depend on the drafter's quality."""
+    from flax import nnx
+
+    from tlt_jax.drafter import EagleDrafter, save_drafter
+    from tlt_jax.models import tiny_config
+
+    t = cfg.model.tiny
+    shape = dict(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_layers=t.num_layers,
+        num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads,
+    )
+    save_drafter(EagleDrafter(tiny_config(**{**shape, **overrides}), rngs=nnx.Rngs(0)), path)
+    return str(path)
+
+
 def test_speculative_rollouts_leave_training_unchanged(tmp_path):
-    """n-gram tree speculative decoding in the rollout: same samples, so identical losses / rewards / KL (old
-    log-probs are recomputed by the policy, never taken from the rollout); the accept length is reported."""
+    """n-gram and EAGLE tree speculative decoding in the rollout: same samples, so identical losses / rewards / KL
+    (old log-probs are recomputed by the policy, never taken from the rollout); the accept length is reported."""
     common = ("--config.train.num_steps=3", "--config.eval.at_start=False", "--config.metrics.tensorboard=False")
     run(_cfg("tiny.py", *common), str(tmp_path / "plain"))
-    run(
-        _cfg("tiny.py", *common, "--config.rollout.speculative=ngram", "--config.rollout.spec_threshold=32"),
-        str(tmp_path / "sd"),
-    )
-    plain, sd = _train_rows(tmp_path / "plain"), _train_rows(tmp_path / "sd")
-    for step in (1, 2, 3):
-        assert sd[step]["rollout/accept_length"] >= 1.0 and sd[step]["rollout/verify_steps"] > 0
-        a = {k: v for k, v in plain[step].items() if not k.startswith("rollout/")}
-        b = {k: v for k, v in sd[step].items() if not k.startswith("rollout/")}
-        _assert_same_metrics(a, b, step)
+    drafter = _tiny_drafter(_cfg("tiny.py"), tmp_path / "drafter")
+    runs = {
+        "ngram": ("--config.rollout.speculative=ngram", "--config.rollout.spec_threshold=32"),
+        "eagle": (
+            "--config.rollout.speculative=eagle",
+            f"--config.rollout.drafter_path={drafter}",
+            "--config.rollout.spec_depth=3",
+            "--config.rollout.spec_topk=2",
+            "--config.rollout.spec_verify_tokens=6",
+        ),
+    }
+    plain = _train_rows(tmp_path / "plain")
+    for mode, overrides in runs.items():
+        run(_cfg("tiny.py", *common, *overrides), str(tmp_path / mode))
+        sd = _train_rows(tmp_path / mode)
+        for step in (1, 2, 3):
+            assert sd[step]["rollout/accept_length"] >= 1.0 and sd[step]["rollout/verify_steps"] > 0, (mode, step)
+            a = {k: v for k, v in plain[step].items() if not k.startswith("rollout/")}
+            b = {k: v for k, v in sd[step].items() if not k.startswith("rollout/")}
+            _assert_same_metrics(a, b, (mode, step))
+
+
+def test_unusable_eagle_drafter_is_a_config_error(tmp_path):
+    """A drafter directory without a saved drafter, or one made for another policy shape: an error naming the key,
+    the path and the warm-up command, before any compile."""
+    common = ("--config.rollout.speculative=eagle", "--config.train.num_steps=1", "--config.eval.at_start=False")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=r"config.rollout.drafter_path: .*empty holds no tlt_drafter.json.*warmup"):
+        run(_cfg("tiny.py", *common, f"--config.rollout.drafter_path={empty}"), str(tmp_path / "a"))
+    other = _tiny_drafter(_cfg("tiny.py"), tmp_path / "other", hidden_size=32)
+    with pytest.raises(ConfigError, match=r"made for another policy \(hidden_size=32, the policy's is 64\).*--out="):
+        run(_cfg("tiny.py", *common, f"--config.rollout.drafter_path={other}"), str(tmp_path / "b"))
 
 
 def test_corrupt_latest_checkpoint_resumes_from_previous(tmp_path, caplog):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from typing import Any
@@ -46,7 +47,7 @@ MODEL_SOURCES = ("tiny", "smollm2", "path")
 DATA_SOURCES = ("synthetic", "gsm_symbolic", "gsm8k_file")
 SCHEDULES = ("constant", "cosine", "linear")
 DTYPES = ("float32", "bfloat16")
-SPECULATIVE = ("off", "ngram")
+SPECULATIVE = ("off", "ngram", "eagle")
 
 
 class ConfigError(ValueError):
@@ -144,10 +145,18 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     max_new_tokens: int = 16
-    # Lossless tree speculative decoding in the rollout tail: "off" or "ngram" (model-free drafter over the prompt,
-    # the row's output and its GRPO siblings). EAGLE drafters are not wired into the main job yet.
+    # Lossless tree speculative decoding in the rollout tail: "off", "ngram" (model-free drafter over the prompt, the
+    # row's output and its GRPO siblings) or "eagle" (the trained EAGLE drafter in drafter_path, written by
+    # `python -m tlt_jax.drafter.warmup --out=DIR`; its weights stay fixed during RL). Rollout samples are identical
+    # either way; only their speed changes.
     speculative: str = "off"
+    drafter_path: str = ""  # speculative="eagle": the drafter directory (save_drafter format); ignored otherwise
     spec_threshold: int = 32  # decode speculatively once a wave has at most this many live rows
+    # Draft tree shape (TLT defaults), ngram and eagle: depth (most draft tokens accepted per verify), topk (children
+    # per expanded node) and verify_tokens (tree size incl. the root, <= 1 + topk + (depth - 1) * topk^2).
+    spec_depth: int = 8
+    spec_topk: int = 4
+    spec_verify_tokens: int = 48
 
     def validate(self, key: str) -> None:
         _require(
@@ -155,7 +164,30 @@ class RolloutConfig:
             f"{key}.speculative",
             f"must be one of {SPECULATIVE}, got {self.speculative!r}",
         )
+        if self.speculative == "eagle":
+            _require(
+                bool(self.drafter_path),
+                f"{key}.drafter_path",
+                "speculative='eagle' needs a drafter directory; write one with "
+                "`python -m tlt_jax.drafter.warmup --model=POLICY --out=DIR`, then set "
+                f"--config.{key}.drafter_path=DIR (or use speculative='ngram', which needs none)",
+            )
+            _require(
+                os.path.isdir(self.drafter_path),
+                f"{key}.drafter_path",
+                f"{self.drafter_path!r} is not a directory; write a drafter there with "
+                f"`python -m tlt_jax.drafter.warmup --model=POLICY --out={self.drafter_path}`",
+            )
         _require(self.spec_threshold >= 1, f"{key}.spec_threshold", "must be >= 1")
+        _require(self.spec_depth >= 1, f"{key}.spec_depth", f"must be >= 1, got {self.spec_depth}")
+        _require(self.spec_topk >= 1, f"{key}.spec_topk", f"must be >= 1, got {self.spec_topk}")
+        top = 1 + self.spec_topk + (self.spec_depth - 1) * self.spec_topk**2
+        _require(
+            2 <= self.spec_verify_tokens <= top,
+            f"{key}.spec_verify_tokens",
+            f"must be in [2, {top}] (1 + spec_topk + (spec_depth - 1) * spec_topk^2 for spec_depth={self.spec_depth}, "
+            f"spec_topk={self.spec_topk}), got {self.spec_verify_tokens}; lower it or raise spec_depth / spec_topk",
+        )
         _require(self.samples_per_prompt >= 2, f"{key}.samples_per_prompt", "GRPO groups need >= 2 samples")
         _require(self.temperature > 0, f"{key}.temperature", "must be > 0 for training rollouts")
         _require(self.top_k >= 0, f"{key}.top_k", "must be >= 0 (0 = off)")

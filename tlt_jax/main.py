@@ -2,10 +2,10 @@ r"""GRPO training, the main job.
 
     python -m tlt_jax.main --config=configs/gsm8k.py [--config.key=value ...] [--workdir=DIR]
 
-Builds the mesh, policy (+ frozen reference), tokenizer, prompt pipeline, reward, rollout engine, learner,
-checkpointer and metrics from the config; resumes from the newest readable checkpoint in ``--workdir``; runs the RL
-loop (one console row per step); ends with a greedy evaluation on held-out prompts. Everything the run records lives
-in the workdir: config.json, metrics.jsonl, tensorboard/, checkpoints/.
+Builds the mesh, policy (+ frozen reference), tokenizer, prompt pipeline, reward, rollout engine (+ speculative
+drafter), learner, checkpointer and metrics from the config; resumes from the newest readable checkpoint in
+``--workdir``; runs the RL loop (one console row per step); ends with a greedy evaluation on held-out prompts.
+Everything the run records lives in the workdir: config.json, metrics.jsonl, tensorboard/, checkpoints/.
 """
 
 from __future__ import annotations
@@ -169,18 +169,61 @@ def eval_max_new_tokens(cfg) -> int:
     return cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
 
 
+def load_eagle_drafter(cfg, model_config):
+    """The EAGLE drafter in ``rollout.drafter_path`` (compute dtype of the policy), checked against the policy's
+    shape; a ConfigError naming the path and how to write a drafter when it cannot serve this policy."""
+    import pathlib
+
+    import jax.numpy as jnp
+
+    from tlt_jax.config import ConfigError
+    from tlt_jax.drafter.export import CONFIG_FILE, load_drafter
+
+    path = cfg.rollout.drafter_path
+    model_flag = {"path": f" --model={cfg.model.path}", "smollm2": ""}.get(cfg.model.source, " --model=POLICY")
+    how = f"write a drafter for this policy with `python -m tlt_jax.drafter.warmup{model_flag} --out={path}`"
+    if not (pathlib.Path(path) / CONFIG_FILE).is_file():
+        hint = ""
+        if (pathlib.Path(path) / "config.json").is_file():
+            hint = " (this looks like the EAGLE/SGLang export, DIR/eagle: give the warm-up's DIR itself)"
+        raise ConfigError(f"config.rollout.drafter_path: {path} holds no {CONFIG_FILE}{hint}; {how}")
+    try:
+        drafter = load_drafter(path, jnp.dtype(cfg.model.dtype))
+    except Exception as e:  # unreadable json / safetensors, missing or mis-shaped tensors
+        raise ConfigError(f"config.rollout.drafter_path: cannot load the drafter in {path}: {e}; {how}") from e
+    d = drafter.config
+    for f in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim"):
+        if getattr(d, f) != getattr(model_config, f):
+            raise ConfigError(
+                f"config.rollout.drafter_path: the drafter in {path} was made for another policy ({f}="
+                f"{getattr(d, f)}, the policy's is {getattr(model_config, f)}); {how}"
+            )
+    if cfg.rollout.spec_topk > model_config.vocab_size:
+        raise ConfigError(
+            f"config.rollout.spec_topk: {cfg.rollout.spec_topk} exceeds the policy's vocabulary "
+            f"({model_config.vocab_size})"
+        )
+    return drafter
+
+
 def build_engine(cfg, model, mesh, data: Data):
-    """The rollout engine on the training mesh (colocated), speculative in the tail when configured (an EAGLE
-    drafter would be passed here as ``drafter=``, with its weights published by ``engine.set_drafter``)."""
+    """The rollout engine on the training mesh (colocated). With ``rollout.speculative`` "ngram" or "eagle" (the
+    drafter loaded from ``rollout.drafter_path``, fixed for the run) it decodes speculatively once a wave has at most
+    ``rollout.spec_threshold`` live rows, with the ``rollout.spec_*`` tree shape."""
     from tlt_jax.rl.learner import bucket_length
     from tlt_jax.rollout import RolloutEngine, SpecConfig
 
     longest = max(len(ex["prompt_ids"]) for ex in data.train + data.eval)
     max_len = bucket_length(longest + max(cfg.rollout.max_new_tokens, eval_max_new_tokens(cfg)))
     rows = cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt
+    r = cfg.rollout
     spec = {}
-    if cfg.rollout.speculative == "ngram":
-        spec = dict(drafter="ngram", spec=SpecConfig(threshold=cfg.rollout.spec_threshold))
+    if r.speculative != "off":
+        tree = SpecConfig(
+            depth=r.spec_depth, topk=r.spec_topk, verify_tokens=r.spec_verify_tokens, threshold=r.spec_threshold
+        )
+        drafter = "ngram" if r.speculative == "ngram" else load_eagle_drafter(cfg, model.config)
+        spec = dict(drafter=drafter, spec=tree)
     return RolloutEngine(
         model,
         mesh,
