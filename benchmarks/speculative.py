@@ -48,7 +48,61 @@ flags.DEFINE_list("configs_large", ["2x1x3", "3x1x4", "3x2x6"], "trees at batch 
 flags.DEFINE_list("drafters", ["ngram", "eagle"], "drafters to run (eagle needs --drafter)")
 flags.DEFINE_integer("b1_prompts", 8, "at batch 1, run this many prompts one after the other (summed)")
 flags.DEFINE_integer("steps_per_call", 4, "EAGLE verify steps per host round trip")
+flags.DEFINE_bool("breakdown", True, "time the parts of one step at batch 1 (plain step; EAGLE draft, verify, extend)")
 flags.DEFINE_string("out", "benchmarks/results/speculative_smollm2_cpu.json", "JSON output")
+
+
+def _median_ms(fn, reps: int = 15) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return 1000 * float(np.median(times))
+
+
+def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -> list[dict]:
+    """Milliseconds of one batch-1 step's parts after prefilling ``prompt``: a plain decode step, and per tree config
+    the EAGLE draft, the policy's tree verify, the drafter extend and the fused step (attention over ``length``
+    cache slots; nothing donated, so each part also copies the caches it updates)."""
+    import jax.numpy as jnp
+
+    from tlt_jax.speculative import generate as g
+    from tlt_jax.speculative.tree import drafter_extend, eagle_draft, init_draft_state
+    from tlt_jax.speculative.verify import verify_tree
+
+    st = g._Loop(policy, [prompt], 64, 0.0, 0, 1.0, 0, None, None, stops, length)
+    cache = st.cache
+    keys = g._token_keys(0, st.req_j, st.smp_j, cache.lengths + 1)
+    rest = (st.temperature, st.top_k, st.top_p, st.stop, st.remaining(), st.active())
+    rows = [dict(part="plain_step", ms=_median_ms(lambda: g.plain_step(policy, cache, st.root, keys, *rest,
+                                                                      attend_len=length)))]
+    def parts(c: str) -> dict:
+        d, k, n = (int(x) for x in c.split("x"))
+        dk = g._depth_keys(0, st.req_j, st.smp_j, cache.lengths + 1, d)
+        ds = init_draft_state(policy.config, 1, st.max_len + (d - 1) * k)
+        ds = g.drafter_prefill(policy, drafter, ds, jnp.asarray(st.ids), jnp.asarray(st.lens), st.first, st.hidden)
+        draft = jax.jit(lambda p, dr, s, r: eagle_draft(p, dr, s, r, depth=d, topk=k, num_nodes=n))
+        verify = jax.jit(lambda p, c_, t, *a: verify_tree(p, c_, t, *a, max_depth=d, attend_len=length))
+        extend = jax.jit(lambda p, dr, s, h, t, m: drafter_extend(p, dr, s, h, t, m, attend_len=length + (d - 1) * k))
+        tree, _ = draft(policy, drafter, ds, st.root)
+        out = verify(policy, cache, tree, dk, *rest)
+        tok = jnp.maximum(out.tokens, 0)
+        return dict(
+            part=c,
+            draft_ms=_median_ms(lambda: draft(policy, drafter, ds, st.root)),
+            verify_ms=_median_ms(lambda: verify(policy, cache, tree, dk, *rest)),
+            extend_ms=_median_ms(lambda: extend(policy, drafter, ds, out.hidden, tok, out.num_emitted)),
+            fused_ms=_median_ms(lambda: g.eagle_step(policy, drafter, cache, ds, st.root, dk, *rest, depth=d, topk=k,
+                                                     num_nodes=n, attend_len=length)),
+        )
+
+    for c in configs:
+        rows.append(r := parts(c))
+        print(f"step parts {c}: draft {r['draft_ms']:.1f} ms, verify {r['verify_ms']:.1f} ms, extend "
+              f"{r['extend_ms']:.1f} ms, fused {r['fused_ms']:.1f} ms (plain step {rows[0]['ms']:.1f} ms)", flush=True)
+    return rows
 
 
 def _run(engine: RolloutEngine, groups, params: SamplingParams):
@@ -94,6 +148,9 @@ def main(argv):
 
     rows = []
     t_start = time.perf_counter()
+    breakdown = None
+    if _F.breakdown and "eagle" in drafters:
+        breakdown = step_breakdown(policy, drafters["eagle"], prompts[0], stops, _F.configs_b1)
     for b, n_new in zip(batches, tokens, strict=False):
         groups = [prompts[i: i + 1] for i in range(_F.b1_prompts)] if b == 1 else [prompts[:b]]
         for temp in (float(t) for t in _F.temperatures):
@@ -122,7 +179,8 @@ def main(argv):
             "total_seconds": time.perf_counter() - t_start, "load_average_end": os.getloadavg()}
     if "eagle" in drafters and (pathlib.Path(_F.drafter) / "warmup.json").exists():
         meta["warmup"] = json.loads((pathlib.Path(_F.drafter) / "warmup.json").read_text())
-    out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1, default=_np))
+    out.write_text(json.dumps({"meta": meta, "summary": summary, "step_breakdown_b1": breakdown, "rows": rows},
+                              indent=1, default=_np))
     print(f"wrote {out} in {meta['total_seconds']:.0f}s")
 
 
