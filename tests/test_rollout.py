@@ -364,3 +364,20 @@ def test_bad_inputs_raise_before_compute(engine):
         with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
             SamplingParams(**{field: value})
     assert engine.pool.counters() == before
+
+
+def test_processed_logprobs_mixed_filters_match_reference_and_skip_is_batch_independent():
+    """Rows with filters off get log_softmax(logits / T) whether or not another row in the batch filters (the
+    sort-free path and the filtered path agree on them), and filtered rows match the float64 reference."""
+    from tlt_jax.rollout.sampling import processed_logprobs
+
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)) * 3, jnp.float32)
+    temp = jnp.asarray([0.8, 1.0, 1.3, 0.8])
+    mixed = processed_logprobs(logits, temp, jnp.asarray([0, 5, 0, 0]), jnp.asarray([1.0, 1.0, 0.6, 1.0]))
+    plain = processed_logprobs(logits, temp, jnp.zeros(4, jnp.int32), jnp.ones(4))
+    np.testing.assert_array_equal(np.asarray(mixed)[[0, 3]], np.asarray(plain)[[0, 3]])
+    np.testing.assert_allclose(np.asarray(plain), jax.nn.log_softmax(logits / temp[:, None], axis=-1), atol=1e-6)
+    for row, (k, p) in zip((1, 2), ((5, 1.0), (0, 0.6)), strict=True):
+        got = np.exp(np.asarray(mixed[row], np.float64))
+        np.testing.assert_allclose(got, _expected(logits[row], float(temp[row]), k, p), atol=1e-6)
+        assert (got > 0).sum() < 50

@@ -17,7 +17,8 @@ def processed_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Arr
 
     logits [..., V]; temperature, top_k, top_p broadcastable to logits.shape[:-1] (top_k 0 = off, top_p 1 = off).
     Temperature 0 means greedy: a one-hot at the argmax (log-prob 0 there, -inf elsewhere).
-    Ties at the top-k / top-p boundary keep every tied token, identically on every call.
+    Ties at the top-k / top-p boundary keep every tied token, identically on every call. When no row filters (every
+    top_k off, every top_p >= 1) the full-vocabulary sort is skipped: log_softmax(logits / temperature) directly.
     """
     logits = logits.astype(jnp.float32)
     v = logits.shape[-1]
@@ -27,6 +28,16 @@ def processed_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Arr
     top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), batch)[..., None]
     greedy = temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature)
+    filters = jnp.any((top_k > 0) & (top_k < v) | (top_p < 1.0))
+    logp = jax.lax.cond(filters, _filtered, lambda x, *_: jax.nn.log_softmax(x, axis=-1), scaled, top_k, top_p)
+    argmax = jnp.argmax(logits, axis=-1)[..., None]
+    onehot = jnp.where(jnp.arange(v) == argmax, 0.0, NEG_INF)
+    return jnp.where(greedy, onehot, logp)
+
+
+def _filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-k then top-p filtered log-probabilities of temperature-scaled logits (one full-vocabulary sort)."""
+    v = scaled.shape[-1]
     sorted_desc = jnp.sort(scaled, axis=-1)[..., ::-1]
     k = jnp.where((top_k <= 0) | (top_k > v), v, top_k)
     kth = jnp.take_along_axis(sorted_desc, k - 1, axis=-1)
@@ -35,13 +46,9 @@ def processed_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Arr
     sorted_desc = jnp.where(jnp.arange(v) < k, sorted_desc, NEG_INF)
     probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    keep_sorted = (mass_before < top_p) | (jnp.arange(v) == 0)
+    keep_sorted = (mass_before < top_p) | (jnp.arange(v) == 0) | (top_p >= 1.0)  # p >= 1: off, even if mass rounds to 1
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled >= cutoff, scaled, NEG_INF)
-    logp = jax.nn.log_softmax(scaled, axis=-1)
-    argmax = jnp.argmax(logits, axis=-1)[..., None]
-    onehot = jnp.where(jnp.arange(v) == argmax, 0.0, NEG_INF)
-    return jnp.where(greedy, onehot, logp)
+    return jax.nn.log_softmax(jnp.where(scaled >= cutoff, scaled, NEG_INF), axis=-1)
 
 
 def sample_from_logprobs(keys: jax.Array, logp: jax.Array) -> jax.Array:
