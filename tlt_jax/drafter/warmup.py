@@ -40,16 +40,20 @@ def _hidden(policy, ids, lengths):
 
 
 def policy_hidden_states(policy, sequences: Sequence[Sequence[int]], batch_size: int = 8) -> list[np.ndarray]:
-    """Final-normed policy features [T, H] of each full sequence (prompt + response), one forward per batch."""
-    out = []
-    for i in range(0, len(sequences), batch_size):
-        chunk = list(sequences[i: i + batch_size])
+    """Final-normed policy features [T, H] of each full sequence (prompt + response), one forward per batch of
+    similar lengths (sorted by length, padded to a multiple of 64: little padding, few compiled shapes)."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    out: list[np.ndarray | None] = [None] * len(sequences)
+    for i in range(0, len(order), batch_size):
+        idx = order[i: i + batch_size]
+        chunk = [list(sequences[k]) for k in idx]
         ids, lens = pad_prompts(chunk)
-        pad_to = 1 << int(np.ceil(np.log2(ids.shape[1])))  # few distinct shapes -> few compiles
+        pad_to = -(-ids.shape[1] // 64) * 64
         ids = np.pad(ids, ((0, batch_size - len(chunk)), (0, pad_to - ids.shape[1])))
         lens = np.pad(lens, (0, batch_size - len(chunk)), constant_values=1)
         h = np.asarray(_hidden(policy, jnp.asarray(ids), jnp.asarray(lens)))
-        out += [h[j, : len(s)] for j, s in enumerate(chunk)]
+        for j, k in enumerate(idx):
+            out[k] = h[j, : len(chunk[j])]
     return out
 
 
