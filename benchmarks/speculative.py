@@ -170,21 +170,27 @@ def main(argv):
                                      speedup=t_plain / t, lossless=lossless, **st))
                     print(f"b={b:2d} T={temp}: {name:>5} {c:>7}: accept {st['mean_accept']:.2f} tok/verify, "
                           f"{n_tok / t:7.1f} tok/s, {t_plain / t:.2f}x plain, lossless={lossless}", flush=True)
-    summary = _summarise(rows, list(drafters))
+                    write(rows, breakdown, drafters, split, t_start, final=False)  # partial results survive a kill
+    write(rows, breakdown, drafters, split, t_start, final=True)
+
+
+def write(rows, breakdown, drafters, split, t_start, final: bool) -> None:
+    summary = _summarise(rows, list(drafters), log=final)
     out = pathlib.Path(_F.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": _F.model or "SmolLM2-135M-Instruct (embedded)", "drafter": _F.drafter, "prompts": split or "tiny",
             "device": str(jax.devices()[0]), "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
-            "jax": jax.__version__, "dtype": "float32", "steps_per_call": _F.steps_per_call,
+            "jax": jax.__version__, "dtype": "float32", "steps_per_call": _F.steps_per_call, "complete": final,
             "total_seconds": time.perf_counter() - t_start, "load_average_end": os.getloadavg()}
     if "eagle" in drafters and (pathlib.Path(_F.drafter) / "warmup.json").exists():
         meta["warmup"] = json.loads((pathlib.Path(_F.drafter) / "warmup.json").read_text())
     out.write_text(json.dumps({"meta": meta, "summary": summary, "step_breakdown_b1": breakdown, "rows": rows},
                               indent=1, default=_np))
-    print(f"wrote {out} in {meta['total_seconds']:.0f}s")
+    if final:
+        print(f"wrote {out} in {meta['total_seconds']:.0f}s")
 
 
-def _summarise(rows, names):
+def _summarise(rows, names, log: bool = True):
     """Best configuration per (temperature, drafter, batch) and the batch from which none beats plain."""
     summary = []
     for temp in sorted({r["temperature"] for r in rows}):
@@ -198,6 +204,8 @@ def _summarise(rows, names):
             summary.append(dict(temperature=temp, drafter=name, stops_paying_off_at_batch=stop_at,
                                 best={b: dict(config=r["config"], speedup=r["speedup"], mean_accept=r["mean_accept"],
                                               tokens_per_s=r["tokens_per_s"]) for b, r in sorted(best.items())}))
+            if not log:
+                continue
             print(f"T={temp} {name}: best speedup by batch "
                   + ", ".join(f"{b}: {r['speedup']:.2f}x ({r['config']}, accept {r['mean_accept']:.2f})"
                               for b, r in sorted(best.items()))

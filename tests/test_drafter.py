@@ -216,6 +216,7 @@ def test_warmup_cli_engine_generation_samples_and_continue(tmp_path):
     assert second.returncode == 0, second.stdout + second.stderr
     summary = json.loads((tmp_path / "b" / "warmup.json").read_text())
     assert summary["num_samples"] == 16 and summary["flags"]["engine_batch"] == 0
+    assert summary["flags"]["samples"] == [str(pkl)] * 2 and summary["init_summary"]["num_samples"] == 8
     assert load_drafter(tmp_path / "b").vocab_ids() is not None
     missing = subprocess.run([*base, f"--out={tmp_path / 'c'}", f"--samples={pkl},{tmp_path / 'nope.pkl'}"],
                              cwd=repo, capture_output=True, text=True, timeout=600)

@@ -149,7 +149,7 @@ _FLAGS = flags.FLAGS
 
 
 _OWN_FLAGS = ("model", "num_prompts", "max_new_tokens", "steps", "batch_size", "engine_batch", "row_len",
-              "rows_per_batch",
+              "rows_per_batch", "samples",
               "temperature", "temperatures", "learning_rate", "warmup_steps", "draft_vocab", "unroll", "init", "seed")
 
 
@@ -249,6 +249,8 @@ def main(argv):
                "response_tokens": sum(len(r) for _, r in samples), "flags": {k: _FLAGS[k].value for k in _OWN_FLAGS},
                "first": history[0], "last": history[-1],
                "last10_top1": float(np.mean([h["top1"] for h in history[-10:]]))}
+    if _FLAGS.init and (pathlib.Path(_FLAGS.init) / "warmup.json").exists():  # provenance of a continued drafter
+        summary["init_summary"] = json.loads((pathlib.Path(_FLAGS.init) / "warmup.json").read_text())
     (out / "warmup.json").write_text(json.dumps(summary, indent=1))
     print(f"saved drafter to {out} (EAGLE layout in {out / 'eagle'}); loss {history[0]['loss']:.4f} -> "
           f"{history[-1]['loss']:.4f}, top-1 {history[0]['top1']:.3f} -> {history[-1]['top1']:.3f}")
