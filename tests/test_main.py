@@ -319,18 +319,9 @@ def _tiny_drafter(cfg, path, **overrides):
     from flax import nnx
 
     from tlt_jax.drafter import EagleDrafter, save_drafter
-    from tlt_jax.models import tiny_config
+    from tlt_jax.main import tiny_model_config
 
-    t = cfg.model.tiny
-    shape = dict(
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
-        num_layers=t.num_layers,
-        num_heads=t.num_heads,
-        num_kv_heads=t.num_kv_heads,
-    )
-    save_drafter(EagleDrafter(tiny_config(**{**shape, **overrides}), rngs=nnx.Rngs(0)), path)
+    save_drafter(EagleDrafter(tiny_model_config(cfg, **overrides), rngs=nnx.Rngs(0)), path)
     return str(path)
 
 

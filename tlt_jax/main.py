@@ -77,27 +77,35 @@ def synthetic_examples(cfg, vocab_size: int, avoid: Sequence[int], count: int, s
     ]
 
 
+def tiny_model_config(cfg, **overrides):
+    """The ModelConfig of ``model.source="tiny"`` (``overrides`` replace fields, e.g. for a mismatched drafter)."""
+    from tlt_jax.models import tiny_config
+
+    t = cfg.model.tiny
+    shape = dict(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_layers=t.num_layers,
+        num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads,
+    )
+    return tiny_config(**{**shape, **overrides})
+
+
 def build_model(cfg, mesh):
     """(policy model placed on the mesh, tokenizer or None)."""
     import jax.numpy as jnp
     from flax import nnx
 
     from tlt_jax.distributed import init_sharded, shard_module
-    from tlt_jax.models import CausalLM, load_model_and_tokenizer, tiny_config
+    from tlt_jax.models import CausalLM, load_model_and_tokenizer
     from tlt_jax.models.presets import DEFAULT_MODEL
 
     dtype = jnp.dtype(cfg.model.dtype)
     if cfg.model.source == "tiny":
-        t = cfg.model.tiny
-        mcfg = tiny_config(
-            vocab_size=t.vocab_size,
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_layers=t.num_layers,
-            num_heads=t.num_heads,
-            num_kv_heads=t.num_kv_heads,
-        )
-        model = init_sharded(lambda: CausalLM(mcfg, dtype=dtype, rngs=nnx.Rngs(t.init_seed)), mesh)
+        mcfg = tiny_model_config(cfg)
+        model = init_sharded(lambda: CausalLM(mcfg, dtype=dtype, rngs=nnx.Rngs(cfg.model.tiny.init_seed)), mesh)
         tokenizer = None
     else:
         path = DEFAULT_MODEL if cfg.model.source == "smollm2" else cfg.model.path
