@@ -1,7 +1,7 @@
 """Offline drafter warm-up on the policy's own generations.
 
     python -m tlt_jax.drafter.warmup --model=PATH --out=DIR [--num_prompts=64 --max_new_tokens=128 --steps=200]
-        [--temperatures=0,0.9 --draft_vocab=8192 --unroll=2]
+        [--temperatures=0,0.9 --draft_vocab=4096 --unroll=2 --engine_batch=64 --samples=F[,F...] --init=DIR]
 
 Generates the policy's responses to GSM-style prompts (reasoning-gym ``gsm_symbolic`` training split, chat-templated
 as the policy sees them in RL), once per generation temperature, keeping the policy's final-normed features of every
@@ -9,7 +9,9 @@ fed position from the generation itself (no second forward), packs (prompt, resp
 trains the EAGLE drafter (loss masked to response tokens; optional draft vocabulary of the most frequent tokens and
 training-time-test unroll, warm-up + cosine learning rate) and writes DIR/ (our format, ``load_drafter``, with the
 draft vocabulary) and DIR/eagle/ (EAGLE/SGLang layout). ``--model`` defaults to the embedded SmolLM2-135M-Instruct;
-``--model=tiny`` runs a random tiny model on synthetic prompts (seconds, for smoke tests).
+``--model=tiny`` runs a random tiny model on synthetic prompts (seconds, for smoke tests). ``--engine_batch`` generates
+with the RolloutEngine (batched, then one feature forward); ``--samples`` keeps generations in pickles to reuse (several
+files are concatenated); ``--init`` continues an earlier drafter (its warmup.json is kept as ``init_summary``).
 """
 
 from __future__ import annotations
