@@ -11,12 +11,13 @@ after the other. At most --tokens new tokens per row (shrinking with the batch t
 
 Every arm is the same RolloutEngine (chunk of K=8 plain steps, or ``steps_per_call`` verify steps, per host round
 trip; compaction; cache-length buckets); the speculative engines have ``threshold`` >= every batch, so every step is a
-tree step. For every (batch, temperature): plain decoding, then each drafter (n-gram; the EAGLE drafter in --drafter,
-a ``tlt_jax.drafter.warmup`` output, if given) and tree config ``depth x topk x N`` of that batch (--configs_b1,
---configs_small for batch 2-4, --configs_large above). Every speculative run is checked token for token against the
-plain run with the same seed (lossless). Time = the engine's prefill + decode seconds (compilation happens before a
-step's clock starts, so it is excluded). Reports, per (temperature, drafter), the best speedup by batch and the
-smallest batch from which no configuration beats plain.
+tree step. For every (batch, temperature) and prompt group: plain decoding, each drafter (n-gram; the EAGLE drafter in
+--drafter, a ``tlt_jax.drafter.warmup`` output, if given) with each tree config ``depth x topk x N`` of that batch
+(--configs_b1, --configs_small for batch 2-4, --configs_large above), then plain again: interleaved, so a drift in the
+shared machine's load hits every arm alike (plain's time is the mean of its two passes). Every speculative run is
+checked token for token against the plain run with the same seed (lossless). Time = the engine's prefill + decode
+seconds (compilation happens before a step's clock starts, so it is excluded). Reports, per (temperature, drafter),
+the best speedup by batch and the smallest batch from which no configuration beats plain.
 """
 
 from __future__ import annotations
@@ -106,20 +107,42 @@ def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -
     return rows
 
 
-def _run(engine: RolloutEngine, groups, params: SamplingParams):
-    """Generate every prompt group; returns (tokens per row, seconds, stats summed over the groups)."""
-    tokens, seconds, verifies, spec_tokens, compile_s, steps = [], 0.0, 0, 0, 0.0, 0
-    for g in groups:
-        res = engine.generate(g, params)
+class _Tally:
+    """One arm's totals over the prompt groups of a (batch, temperature) cell."""
+
+    def __init__(self):
+        self.tokens, self.seconds, self.verifies, self.spec_tokens, self.compile_s, self.steps = [], 0.0, 0, 0, 0.0, 0
+
+    def run(self, engine: RolloutEngine, group, params: SamplingParams) -> None:
+        res = engine.generate(group, params)
         st = res.stats
-        tokens += [s[0] for s in res.tokens]
-        seconds += st["prefill_seconds"] + st["decode_seconds"]
-        verifies += st["spec"]["row_verifies"]
-        spec_tokens += st["spec"]["tokens"]
-        compile_s += st["compile_seconds_this_call"]
-        steps += st["steps"]
-    accept = spec_tokens / verifies if verifies else 1.0
-    return tokens, seconds, dict(mean_accept=accept, compile_seconds=compile_s, steps=steps)
+        self.tokens += [s[0] for s in res.tokens]
+        self.seconds += st["prefill_seconds"] + st["decode_seconds"]
+        self.verifies += st["spec"]["row_verifies"]
+        self.spec_tokens += st["spec"]["tokens"]
+        self.compile_s += st["compile_seconds_this_call"]
+        self.steps += st["steps"]
+
+    def stats(self) -> dict:
+        accept = self.spec_tokens / self.verifies if self.verifies else 1.0
+        return dict(mean_accept=accept, compile_seconds=self.compile_s, steps=self.steps)
+
+
+def _run_cell(arms: dict, groups, params: SamplingParams) -> tuple[dict, _Tally]:
+    """Run every arm on every prompt group, interleaved (per group: plain, each speculative arm, plain again), so a
+    drift in machine load hits every arm alike; plain's time is the mean of its two passes. Returns the tallies of the
+    speculative arms and plain's (whose seconds are that mean)."""
+    plain, again = _Tally(), _Tally()
+    tallies = {key: _Tally() for key in arms if key != "plain"}
+    for g in groups:
+        plain.run(arms["plain"], g, params)
+        for key, t in tallies.items():
+            t.run(arms[key], g, params)
+        again.run(arms["plain"], g, params)
+    if again.tokens != plain.tokens:
+        raise AssertionError("plain decoding is not deterministic across two passes")
+    plain.seconds = (plain.seconds + again.seconds) / 2
+    return tallies, plain
 
 
 def main(argv):
@@ -156,24 +179,24 @@ def main(argv):
         engines.clear()  # each batch compiles its own shapes anyway; keeping every engine's executables ran out of
         gc.collect()  # memory (24 GB) by batch 32
         groups = [prompts[i: i + 1] for i in range(_F.b1_prompts)] if b == 1 else [prompts[:b]]
+        configs = _F.configs_b1 if b == 1 else _F.configs_small if b <= 4 else _F.configs_large
+        arms = {"plain": plain} | {(name, c): engine(name, c) for c in configs for name in drafters}
         for temp in (float(t) for t in _F.temperatures):
             params = SamplingParams(temperature=temp, max_new_tokens=n_new, seed=0, stop_token_ids=stops)
-            plain_tok, t_plain, pst = _run(plain, groups, params)
-            n_tok = sum(len(t) for t in plain_tok)
+            tallies, pt = _run_cell(arms, groups, params)
+            n_tok, t_plain = sum(len(t) for t in pt.tokens), pt.seconds
             base = dict(batch=b, prompts=sum(len(g) for g in groups), temperature=temp, tokens=n_tok,
                         plain_seconds=t_plain, plain_tokens_per_s=n_tok / t_plain)
             rows.append(dict(base, drafter="none", config="plain", seconds=t_plain, tokens_per_s=n_tok / t_plain,
-                             speedup=1.0, lossless=True, **pst))
+                             speedup=1.0, lossless=True, **pt.stats()))
             print(f"b={b:2d} T={temp}: plain {n_tok / t_plain:7.1f} tok/s ({n_tok} tokens)", flush=True)
-            for c in _F.configs_b1 if b == 1 else _F.configs_small if b <= 4 else _F.configs_large:
-                for name in drafters:
-                    tok, t, st = _run(engine(name, c), groups, params)
-                    lossless = tok == plain_tok
-                    rows.append(dict(base, drafter=name, config=c, seconds=t, tokens_per_s=n_tok / t,
-                                     speedup=t_plain / t, lossless=lossless, **st))
-                    print(f"b={b:2d} T={temp}: {name:>5} {c:>7}: accept {st['mean_accept']:.2f} tok/verify, "
-                          f"{n_tok / t:7.1f} tok/s, {t_plain / t:.2f}x plain, lossless={lossless}", flush=True)
-                    write(rows, breakdown, drafters, split, t_start, final=False)  # partial results survive a kill
+            for (name, c), tl in tallies.items():
+                t, lossless = tl.seconds, tl.tokens == pt.tokens
+                rows.append(dict(base, drafter=name, config=c, seconds=t, tokens_per_s=n_tok / t,
+                                 speedup=t_plain / t, lossless=lossless, **tl.stats()))
+                print(f"b={b:2d} T={temp}: {name:>5} {c:>7}: accept {tl.stats()['mean_accept']:.2f} tok/verify, "
+                      f"{n_tok / t:7.1f} tok/s, {t_plain / t:.2f}x plain, lossless={lossless}", flush=True)
+                write(rows, breakdown, drafters, split, t_start, final=False)  # partial results survive a kill
     write(rows, breakdown, drafters, split, t_start, final=True)
 
 
