@@ -16,7 +16,8 @@ tree step. For every (batch, temperature) and prompt group: plain decoding, each
 (--configs_b1, --configs_small for batch 2-4, --configs_large above), then plain again: interleaved, so a drift in the
 shared machine's load hits every arm alike (plain's time is the mean of its two passes). Every speculative run is
 checked token for token against the plain run with the same seed (lossless). Time = the engine's prefill + decode
-seconds (compilation happens before a step's clock starts, so it is excluded). Reports, per (temperature, drafter),
+seconds (compilation happens before a step's clock starts, so it is excluded); ``decode_speedup`` leaves out the
+prefill (the same work in every arm). Reports, per (temperature, drafter),
 the best speedup by batch and the smallest batch from which no configuration beats plain.
 """
 
@@ -44,12 +45,14 @@ flags.DEFINE_string("drafter", None, "trained drafter directory (save_drafter fo
 flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32"], "starting active batch sizes")
 flags.DEFINE_list("tokens", ["192", "128", "96", "64", "48", "32"], "new tokens per row, per batch entry")
 flags.DEFINE_list("temperatures", ["0", "0.9"], "sampling temperatures")
-flags.DEFINE_list("configs_b1", ["3x2x6", "4x2x8", "5x1x6", "6x4x16", "8x4x48"], "trees (depth x topk x N), batch 1")
-flags.DEFINE_list("configs_small", ["3x2x6", "4x2x8", "5x1x6"], "trees at batch 2-4")
+flags.DEFINE_list("configs_b1", ["3x1x4", "4x1x5", "3x2x6", "5x1x6", "6x4x16", "8x4x48"],
+                  "trees (depth x topk x N), batch 1")
+flags.DEFINE_list("configs_small", ["3x1x4", "4x1x5", "3x2x6"], "trees at batch 2-4")
 flags.DEFINE_list("configs_large", ["2x1x3", "3x1x4", "3x2x6"], "trees at batch > 4")
 flags.DEFINE_list("drafters", ["ngram", "eagle"], "drafters to run (eagle needs --drafter)")
 flags.DEFINE_integer("b1_prompts", 8, "at batch 1, run this many prompts one after the other (summed)")
 flags.DEFINE_integer("steps_per_call", 4, "EAGLE verify steps per host round trip")
+flags.DEFINE_integer("repeats", 1, "interleaved passes per cell; each arm's time is the median over the passes")
 flags.DEFINE_bool("breakdown", True, "time the parts of one step at batch 1 (plain step; EAGLE draft, verify, extend)")
 flags.DEFINE_string("out", "benchmarks/results/speculative_smollm2_cpu.json", "JSON output")
 
@@ -112,12 +115,14 @@ class _Tally:
 
     def __init__(self):
         self.tokens, self.seconds, self.verifies, self.spec_tokens, self.compile_s, self.steps = [], 0.0, 0, 0, 0.0, 0
+        self.decode_seconds, self.seconds_passes = 0.0, []
 
     def run(self, engine: RolloutEngine, group, params: SamplingParams) -> None:
         res = engine.generate(group, params)
         st = res.stats
         self.tokens += [s[0] for s in res.tokens]
         self.seconds += st["prefill_seconds"] + st["decode_seconds"]
+        self.decode_seconds += st["decode_seconds"]
         self.verifies += st["spec"]["row_verifies"]
         self.spec_tokens += st["spec"]["tokens"]
         self.compile_s += st["compile_seconds_this_call"]
@@ -125,23 +130,38 @@ class _Tally:
 
     def stats(self) -> dict:
         accept = self.spec_tokens / self.verifies if self.verifies else 1.0
-        return dict(mean_accept=accept, compile_seconds=self.compile_s, steps=self.steps)
+        return dict(mean_accept=accept, compile_seconds=self.compile_s, steps=self.steps,
+                    seconds_passes=self.seconds_passes or [self.seconds])
 
 
-def _run_cell(arms: dict, groups, params: SamplingParams) -> tuple[dict, _Tally]:
+def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1) -> tuple[dict, _Tally]:
     """Run every arm on every prompt group, interleaved (per group: plain, each speculative arm, plain again), so a
-    drift in machine load hits every arm alike; plain's time is the mean of its two passes. Returns the tallies of the
-    speculative arms and plain's (whose seconds are that mean)."""
-    plain, again = _Tally(), _Tally()
-    tallies = {key: _Tally() for key in arms if key != "plain"}
-    for g in groups:
-        plain.run(arms["plain"], g, params)
-        for key, t in tallies.items():
-            t.run(arms[key], g, params)
-        again.run(arms["plain"], g, params)
-    if again.tokens != plain.tokens:
-        raise AssertionError("plain decoding is not deterministic across two passes")
-    plain.seconds = (plain.seconds + again.seconds) / 2
+    drift in machine load hits every arm alike; plain's time is the mean of its two passes. With ``repeats`` > 1 the
+    whole interleaved pass runs that many times and each arm's seconds are the median over the passes (the shared
+    machine's memory bandwidth drifts by tens of percent; the tokens must be identical in every pass). Returns the
+    tallies of the speculative arms and plain's."""
+    passes = []
+    for _ in range(repeats):
+        plain, again = _Tally(), _Tally()
+        tallies = {key: _Tally() for key in arms if key != "plain"}
+        for g in groups:
+            plain.run(arms["plain"], g, params)
+            for key, t in tallies.items():
+                t.run(arms[key], g, params)
+            again.run(arms["plain"], g, params)
+        if again.tokens != plain.tokens:
+            raise AssertionError("plain decoding is not deterministic across two passes")
+        plain.seconds = (plain.seconds + again.seconds) / 2
+        plain.decode_seconds = (plain.decode_seconds + again.decode_seconds) / 2
+        passes.append((tallies, plain))
+    tallies, plain = passes[0]
+    for key, t in [*tallies.items(), ("plain", plain)]:
+        runs = [p[1] if key == "plain" else p[0][key] for p in passes]
+        if any(r.tokens != t.tokens for r in runs):
+            raise AssertionError(f"{key}: tokens differ between repeated passes")
+        t.seconds_passes = [r.seconds for r in runs]
+        t.seconds = float(np.median(t.seconds_passes))
+        t.decode_seconds = float(np.median([r.decode_seconds for r in runs]))
     return tallies, plain
 
 
@@ -183,19 +203,21 @@ def main(argv):
         arms = {"plain": plain} | {(name, c): engine(name, c) for c in configs for name in drafters}
         for temp in (float(t) for t in _F.temperatures):
             params = SamplingParams(temperature=temp, max_new_tokens=n_new, seed=0, stop_token_ids=stops)
-            tallies, pt = _run_cell(arms, groups, params)
-            n_tok, t_plain = sum(len(t) for t in pt.tokens), pt.seconds
+            tallies, pt = _run_cell(arms, groups, params, _F.repeats)
+            n_tok, t_plain, d_plain = sum(len(t) for t in pt.tokens), pt.seconds, pt.decode_seconds
             base = dict(batch=b, prompts=sum(len(g) for g in groups), temperature=temp, tokens=n_tok,
                         plain_seconds=t_plain, plain_tokens_per_s=n_tok / t_plain)
             rows.append(dict(base, drafter="none", config="plain", seconds=t_plain, tokens_per_s=n_tok / t_plain,
-                             speedup=1.0, lossless=True, **pt.stats()))
+                             speedup=1.0, decode_seconds=d_plain, decode_speedup=1.0, lossless=True, **pt.stats()))
             print(f"b={b:2d} T={temp}: plain {n_tok / t_plain:7.1f} tok/s ({n_tok} tokens)", flush=True)
             for (name, c), tl in tallies.items():
                 t, lossless = tl.seconds, tl.tokens == pt.tokens
                 rows.append(dict(base, drafter=name, config=c, seconds=t, tokens_per_s=n_tok / t,
-                                 speedup=t_plain / t, lossless=lossless, **tl.stats()))
+                                 speedup=t_plain / t, decode_seconds=tl.decode_seconds,
+                                 decode_speedup=d_plain / tl.decode_seconds, lossless=lossless, **tl.stats()))
                 print(f"b={b:2d} T={temp}: {name:>5} {c:>7}: accept {tl.stats()['mean_accept']:.2f} tok/verify, "
-                      f"{n_tok / t:7.1f} tok/s, {t_plain / t:.2f}x plain, lossless={lossless}", flush=True)
+                      f"{n_tok / t:7.1f} tok/s, {t_plain / t:.2f}x plain "
+                      f"(decode only {d_plain / tl.decode_seconds:.2f}x), lossless={lossless}", flush=True)
                 write(rows, breakdown, drafters, split, t_start, final=False)  # partial results survive a kill
     write(rows, breakdown, drafters, split, t_start, final=True)
 
@@ -229,6 +251,7 @@ def _summarise(rows, names, log: bool = True):
             stop_at = next((b for b in sorted(best) if best[b]["speedup"] < 1.0), None)
             summary.append(dict(temperature=temp, drafter=name, stops_paying_off_at_batch=stop_at,
                                 best={b: dict(config=r["config"], speedup=r["speedup"], mean_accept=r["mean_accept"],
+                                              decode_speedup=r.get("decode_speedup"),
                                               tokens_per_s=r["tokens_per_s"]) for b, r in sorted(best.items())}))
             if not log:
                 continue

@@ -12,6 +12,7 @@ from safetensors.numpy import load_file
 
 from tlt_jax.distributed import MeshConfig, make_mesh
 from tlt_jax.drafter import EagleDrafter, num_trainable_params
+from tlt_jax.drafter.evaluate import chain_acceptance
 from tlt_jax.drafter.export import export_eagle, import_eagle, load_drafter, save_drafter
 from tlt_jax.drafter.train import (
     DrafterBatch,
@@ -165,14 +166,21 @@ def test_save_load_and_eagle_export_round_trip(tmp_path, bias):
     np.testing.assert_allclose(x @ t["layers.0.self_attn.q_proj.weight"].T, ours, atol=1e-5)
 
 
-def test_warmup_trains_a_drafter_that_gets_accepted(tmp_path, policy):
-    """Train on the policy's own greedy outputs; the trained drafter's greedy acceptance beats a random one's and
-    speculative output still equals plain output."""
+@pytest.fixture(scope="module")
+def warm(policy):
+    """A drafter warmed up on the tiny policy's own greedy outputs: (prompts, drafter, loss history, samples)."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 64, size=int(rng.integers(4, 9))).tolist() for _ in range(16)]
     drafter, hist, samples = run_warmup(policy, prompts, max_new_tokens=24, steps=150, batch_size=8, row_len=64,
                                         rows_per_batch=4, temperature=0.0, stop_tokens=(),
                                         optim=OptimConfig(learning_rate=3e-3), log=lambda *_: None)
+    return prompts, drafter, hist, samples
+
+
+def test_warmup_trains_a_drafter_that_gets_accepted(tmp_path, policy, warm):
+    """Train on the policy's own greedy outputs; the trained drafter's greedy acceptance beats a random one's and
+    speculative output still equals plain output."""
+    prompts, drafter, hist, samples = warm
     assert len(samples) == 16 and hist[-1]["loss"] < hist[0]["loss"]
     save_drafter(drafter, tmp_path)
     drafter = load_drafter(tmp_path)
@@ -181,6 +189,34 @@ def test_warmup_trains_a_drafter_that_gets_accepted(tmp_path, policy):
     random = speculative_generate(policy, prompts[:4], drafter=EagleDrafter(CFG, rngs=nnx.Rngs(9)), **kw)
     assert trained.tokens == random.tokens == [r for _, r in samples[:4]]
     assert trained.mean_accept > random.mean_accept + 0.5, (trained.mean_accept, random.mean_accept)
+
+
+def test_chain_profile_predicts_every_verify_of_greedy_chain_decoding(policy, warm):
+    """The offline profile is exact: walking a sequence by its per-position match counts reproduces the accept
+    length of every verify step of real greedy chain speculative decoding (the last step may accept more than the
+    budget leaves, which the profile cannot see), for chain depths 2 and 4 from one depth-4 profile."""
+    prompts, drafter, _, samples = warm
+    seqs = [p + r for p, r in samples[:4]]
+    prof = chain_acceptance(policy, drafter, seqs, [len(p) for p, _ in samples[:4]], depth=4, rows=8)
+    assert prof.positions == sum(len(r) - 1 for _, r in samples[:4])
+    assert 0 < prof.accepted.mean() < 4 and prof.expected_accept(2) <= prof.expected_accept(4)
+    offsets = np.cumsum([0] + [len(r) - 1 for _, r in samples[:4]])
+    for depth in (2, 4):
+        for i, (p, r) in enumerate(samples[:4]):
+            real = speculative_generate(policy, [p], drafter=drafter, depth=depth, num_nodes=depth + 1,
+                                        max_new_tokens=len(r), stop_tokens=())
+            assert real.tokens == [r]
+            acc, pos, walk = prof.accepted[offsets[i]: offsets[i + 1]], 0, []
+            while pos < len(r) - 1:  # root = response token pos (the first comes from the prefill)
+                a = min(int(acc[pos]), depth)
+                walk.append(a)
+                pos += a + 1
+            assert walk[:-1] == real.accept_lens[:-1] and walk[-1] <= real.accept_lens[-1], (walk, real.accept_lens)
+        assert prof.expected_accept(depth) > 1.0
+    conditional = prof.conditional()
+    assert len(conditional) == 4 and all(0.0 <= c <= 1.0 for c in conditional if c == c)
+    with pytest.raises(ValueError, match="depth"):
+        prof.expected_accept(5)
 
 
 def test_engine_generated_samples_equal_host_loop_samples(policy):
@@ -205,12 +241,16 @@ def test_warmup_cli_engine_generation_samples_and_continue(tmp_path):
 
     repo = pathlib.Path(__file__).resolve().parents[1]
     base = [sys.executable, "-m", "tlt_jax.drafter.warmup", "--model=tiny", "--num_prompts=4", "--max_new_tokens=8",
-            "--steps=3", "--row_len=32", "--rows_per_batch=2", "--draft_vocab=64", "--unroll=2"]
+            "--steps=3", "--row_len=32", "--rows_per_batch=2", "--draft_vocab=64", "--unroll=2",
+            "--eval_prompts=3"]
     pkl = tmp_path / "gen.pkl"
     first = subprocess.run([*base, f"--out={tmp_path / 'a'}", "--engine_batch=4", "--temperatures=0,0.9",
                             f"--samples={pkl}"], cwd=repo, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout + first.stderr
     assert pkl.exists() and (tmp_path / "a" / "eagle" / "model.safetensors").exists()
+    heldout = json.loads((tmp_path / "a" / "warmup.json").read_text())["heldout_chain_acceptance"]
+    assert heldout["prompts"] == 3 and 0 < heldout["positions"] <= 3 * 7 and len(heldout["expected_accept"]) == 6
+    assert 1.0 <= heldout["expected_accept"][0] <= heldout["expected_accept"][-1] <= 7.0
     second = subprocess.run([*base, f"--out={tmp_path / 'b'}", f"--samples={pkl},{pkl}", f"--init={tmp_path / 'a'}"],
                             cwd=repo, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr

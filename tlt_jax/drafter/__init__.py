@@ -1,6 +1,8 @@
-"""EAGLE drafter: module, loss and train step, save/load and EAGLE/SGLang export, offline warm-up (``warmup``)."""
+"""EAGLE drafter: module, loss and train step, save/load and EAGLE/SGLang export, offline acceptance profile,
+offline warm-up (``warmup``)."""
 
 from tlt_jax.drafter.eagle import DraftVocab, EagleDrafter, draft_head, frequent_tokens, num_trainable_params
+from tlt_jax.drafter.evaluate import ChainProfile, chain_acceptance
 from tlt_jax.drafter.export import eagle_config, export_eagle, import_eagle, load_drafter, save_drafter
 from tlt_jax.drafter.train import (
     DrafterBatch,
@@ -19,6 +21,7 @@ from tlt_jax.drafter.train import (
 )
 
 __all__ = [
+    "ChainProfile",
     "DraftVocab",
     "DrafterBatch",
     "EagleDrafter",
@@ -27,6 +30,7 @@ __all__ = [
     "OptimConfig",
     "TrainState",
     "batch_sharding",
+    "chain_acceptance",
     "draft_head",
     "drafter_loss",
     "eagle_config",

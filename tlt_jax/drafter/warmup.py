@@ -2,6 +2,7 @@
 
     python -m tlt_jax.drafter.warmup --model=PATH --out=DIR [--num_prompts=64 --max_new_tokens=128 --steps=200]
         [--temperatures=0,0.9 --draft_vocab=4096 --unroll=2 --engine_batch=64 --samples=F[,F...] --init=DIR]
+        [--eval_prompts=16]
 
 Generates the policy's responses to GSM-style prompts (reasoning-gym ``gsm_symbolic`` training split, chat-templated
 as the policy sees them in RL), once per generation temperature, keeping the policy's final-normed features of every
@@ -12,6 +13,8 @@ draft vocabulary) and DIR/eagle/ (EAGLE/SGLang layout). ``--model`` defaults to 
 ``--model=tiny`` runs a random tiny model on synthetic prompts (seconds, for smoke tests). ``--engine_batch`` generates
 with the RolloutEngine (batched, then one feature forward); ``--samples`` keeps generations in pickles to reuse (several
 files are concatenated); ``--init`` continues an earlier drafter (its warmup.json is kept as ``init_summary``).
+``--eval_prompts`` measures the trained drafter on held-out prompts (the eval split): the exact greedy chain accept
+length by draft depth (``tlt_jax.drafter.evaluate``), logged and kept in warmup.json.
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ _FLAGS = flags.FLAGS
 
 
 _OWN_FLAGS = ("model", "num_prompts", "max_new_tokens", "steps", "batch_size", "engine_batch", "row_len",
-              "rows_per_batch", "samples",
+              "rows_per_batch", "samples", "eval_prompts",
               "temperature", "temperatures", "learning_rate", "warmup_steps", "draft_vocab", "unroll", "init", "seed")
 
 
@@ -176,6 +179,8 @@ def define_flags():
     flags.DEFINE_list("samples", None, "pickles of generated samples: read (and concatenated) if they all exist; "
                       "a single missing path is generated and written")
     flags.DEFINE_integer("seed", 0, "seed for prompts, sampling and init")
+    flags.DEFINE_integer("eval_prompts", 16, "held-out prompts whose greedy responses measure the trained drafter's "
+                         "chain acceptance (tlt_jax.drafter.evaluate; 0 = skip)")
 
 
 EVAL_SIZE = 64  # held-out GSM prompts for benchmarks (split="eval"); the training split excludes them
@@ -216,6 +221,30 @@ def load_policy_and_prompts(model: str | None, num_prompts: int, seed: int, spli
     return policy, [tok.encode(ex["prompt_text"]) for ex in examples], tuple(tok.eos_token_ids) or None
 
 
+def heldout_acceptance(policy, drafter, model: str | None, num_prompts: int, *, max_new_tokens: int, seed: int,
+                       stop_tokens, depth: int = 6, log=print) -> dict:
+    """Chain-acceptance profile of ``drafter`` on the policy's greedy responses to held-out prompts (the eval split;
+    synthetic prompts of another seed for the tiny model)."""
+    from tlt_jax.drafter.evaluate import chain_acceptance
+    from tlt_jax.rollout import RolloutEngine, SamplingParams
+
+    if model == "tiny":
+        rng = np.random.default_rng(seed + 1)
+        prompts = [list(rng.integers(2, 256, size=int(rng.integers(8, 24)))) for _ in range(num_prompts)]
+    else:
+        prompts = load_policy_and_prompts(model, num_prompts, seed, "eval")[1]
+    engine = RolloutEngine(policy, max_batch=min(len(prompts), 64),
+                           max_len=max(len(p) for p in prompts) + max_new_tokens + 1)
+    res = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+                                                  stop_token_ids=stop_tokens))
+    seqs = [list(p) + list(r[0]) for p, r in zip(prompts, res.tokens, strict=True)]
+    prof = chain_acceptance(policy, drafter, seqs, [len(p) for p in prompts], depth=depth)
+    out = dict(prompts=len(prompts), **prof.summary())
+    log(f"held-out greedy chain acceptance ({out['positions']} positions): tokens per verify by chain depth "
+        + ", ".join(f"{d}: {a:.2f}" for d, a in enumerate(out["expected_accept"], start=1)))
+    return out
+
+
 def main(argv):
     del argv
     split = None if _FLAGS.model == "tiny" else "train"
@@ -251,6 +280,10 @@ def main(argv):
                "response_tokens": sum(len(r) for _, r in samples), "flags": {k: _FLAGS[k].value for k in _OWN_FLAGS},
                "first": history[0], "last": history[-1],
                "last10_top1": float(np.mean([h["top1"] for h in history[-10:]]))}
+    if _FLAGS.eval_prompts:
+        summary["heldout_chain_acceptance"] = heldout_acceptance(
+            policy, drafter, _FLAGS.model, _FLAGS.eval_prompts, max_new_tokens=_FLAGS.max_new_tokens,
+            seed=_FLAGS.seed, stop_tokens=stops)
     if _FLAGS.init and (pathlib.Path(_FLAGS.init) / "warmup.json").exists():  # provenance of a continued drafter
         summary["init_summary"] = json.loads((pathlib.Path(_FLAGS.init) / "warmup.json").read_text())
     (out / "warmup.json").write_text(json.dumps(summary, indent=1))
