@@ -96,7 +96,7 @@ def chain_acceptance(policy, drafter, sequences: Sequence[Sequence[int]], starts
         for i in range(0, roots.size, rows):
             at = roots[i: i + rows]
             at_p = np.pad(at, (0, rows - at.size), mode="edge")
-            state = init_draft_state(policy.config, rows, p + depth, jnp.float32)
+            state = init_draft_state(policy.config, rows, p + depth, hid_p.dtype)
             drafts = np.asarray(_chains(policy, drafter, state, jnp.asarray(np.broadcast_to(ids_p, (rows, p))),
                                         jnp.asarray(np.broadcast_to(hid_p, (rows, p, hid_p.shape[-1]))),
                                         jnp.asarray(at_p, jnp.int32), depth=depth))[: at.size]
