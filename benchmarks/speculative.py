@@ -12,13 +12,13 @@ after the other. At most --tokens new tokens per row (shrinking with the batch t
 Every arm is the same RolloutEngine (chunk of K=8 plain steps, or ``steps_per_call`` verify steps, per host round
 trip; compaction; cache-length buckets); the speculative engines have ``threshold`` >= every batch, so every step is a
 tree step. For every (batch, temperature) and prompt group: plain decoding, each drafter (n-gram; the EAGLE drafter in
---drafter, a ``tlt_jax.drafter.warmup`` output, if given) with each tree config ``depth x topk x N`` of that batch
-(--configs_b1, --configs_small for batch 2-4, --configs_large above), then plain again: interleaved, so a drift in the
-shared machine's load hits every arm alike (plain's time is the mean of its two passes). Every speculative run is
-checked token for token against the plain run with the same seed (lossless). Time = the engine's prefill + decode
-seconds (compilation happens before a step's clock starts, so it is excluded); ``decode_speedup`` leaves out the
-prefill (the same work in every arm). Reports, per (temperature, drafter),
-the best speedup by batch and the smallest batch from which no configuration beats plain.
+--drafter, a ``tlt_jax.drafter.warmup`` output, by default the committed SmolLM2 one in benchmarks/drafters/) with each
+tree config ``depth x topk x N`` of that batch (--configs_b1, --configs_small for batch 2-4, --configs_large above),
+then plain again: interleaved, so a drift in the shared machine's load hits every arm alike (plain's time is the mean
+of its two passes). Every speculative run is checked token for token against the plain run with the same seed
+(lossless). Time = the engine's prefill + decode seconds (compilation happens before a step's clock starts, so it is
+excluded); ``decode_speedup`` leaves out the prefill (the same work in every arm). Reports, per (temperature,
+drafter), the best speedup by batch and the smallest batch from which no configuration beats plain.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ from tlt_jax.rollout import RolloutEngine, SamplingParams
 from tlt_jax.rollout.speculative import SpecConfig
 
 _F = flags.FLAGS
+DEFAULT_DRAFTER = pathlib.Path(__file__).parent / "drafters" / "eagle_smollm2_gsm"
 flags.DEFINE_string("model", None, "policy (default: embedded SmolLM2; 'tiny' = random tiny model)")
-flags.DEFINE_string("drafter", None, "trained drafter directory (save_drafter format)")
+flags.DEFINE_string("drafter", None, "trained drafter directory (save_drafter format); default with the embedded "
+                    "SmolLM2: the committed warmed-up drafter, benchmarks/drafters/eagle_smollm2_gsm")
 flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32"], "starting active batch sizes")
 flags.DEFINE_list("tokens", ["192", "128", "96", "64", "48", "32"], "new tokens per row, per batch entry")
 flags.DEFINE_list("temperatures", ["0", "0.9"], "sampling temperatures")
@@ -103,6 +105,13 @@ def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -
                                                      num_nodes=n, attend_len=length)),
         )
 
+    for t in (1, 2, 4, 5, 7, 8, 16):  # the policy forward alone, over t chained tokens after the prompt
+        ids = jnp.zeros((1, t), jnp.int32)
+        mask = jnp.tril(jnp.ones((1, t, t), bool))
+        fwd = jax.jit(lambda p, c_, i, m: jnp.argmax(p(i, cache=c_.view(length), tree_mask=m).logits, -1))
+        ms = _median_ms(lambda f=fwd, i=ids, m=mask: f(policy, cache, i, m))
+        rows.append(dict(part=f"forward_{t}_tokens", ms=ms))
+        print(f"policy forward over {t} tokens: {rows[-1]['ms']:.1f} ms", flush=True)
     for c in configs:
         rows.append(r := parts(c))
         print(f"step parts {c}: draft {r['draft_ms']:.1f} ms, verify {r['verify_ms']:.1f} ms, extend "
@@ -130,7 +139,10 @@ class _Tally:
 
     def stats(self) -> dict:
         accept = self.spec_tokens / self.verifies if self.verifies else 1.0
-        return dict(mean_accept=accept, compile_seconds=self.compile_s, steps=self.steps,
+        # Decode ms per step (a plain step or one verify step, host round trips included): at batch 1 the cost ratio
+        # of a tree step to a plain step, which with the accept length gives the speedup.
+        ms = 1000 * self.decode_seconds / self.steps if self.steps else None
+        return dict(mean_accept=accept, compile_seconds=self.compile_s, steps=self.steps, ms_per_step=ms,
                     seconds_passes=self.seconds_passes or [self.seconds])
 
 
@@ -174,8 +186,8 @@ def main(argv):
     drafters = {}
     if "ngram" in _F.drafters:
         drafters["ngram"] = "ngram"
-    if "eagle" in _F.drafters and _F.drafter:
-        drafters["eagle"] = load_drafter(_F.drafter)
+    if "eagle" in _F.drafters and _drafter_dir():
+        drafters["eagle"] = load_drafter(_drafter_dir())
     max_len = max(len(p) for p in prompts) + max(tokens) + 64
     max_batch = max(batches)
     plain = RolloutEngine(policy, max_batch=max_batch, max_len=max_len)
@@ -216,22 +228,29 @@ def main(argv):
                                  speedup=t_plain / t, decode_seconds=tl.decode_seconds,
                                  decode_speedup=d_plain / tl.decode_seconds, lossless=lossless, **tl.stats()))
                 print(f"b={b:2d} T={temp}: {name:>5} {c:>7}: accept {tl.stats()['mean_accept']:.2f} tok/verify, "
+                      f"{tl.stats()['ms_per_step']:.1f} ms/step (plain {pt.stats()['ms_per_step']:.1f}), "
                       f"{n_tok / t:7.1f} tok/s, {t_plain / t:.2f}x plain "
                       f"(decode only {d_plain / tl.decode_seconds:.2f}x), lossless={lossless}", flush=True)
                 write(rows, breakdown, drafters, split, t_start, final=False)  # partial results survive a kill
     write(rows, breakdown, drafters, split, t_start, final=True)
 
 
+def _drafter_dir():
+    """--drafter, else the committed drafter when the policy is the embedded SmolLM2 it was trained for."""
+    return _F.drafter or (DEFAULT_DRAFTER if _F.model is None else None)
+
+
 def write(rows, breakdown, drafters, split, t_start, final: bool) -> None:
     summary = _summarise(rows, list(drafters), log=final)
     out = pathlib.Path(_F.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": _F.model or "SmolLM2-135M-Instruct (embedded)", "drafter": _F.drafter, "prompts": split or "tiny",
+    meta = {"model": _F.model or "SmolLM2-135M-Instruct (embedded)", "drafter": str(_drafter_dir() or ""),
+            "prompts": split or "tiny",
             "device": str(jax.devices()[0]), "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
             "jax": jax.__version__, "dtype": "float32", "steps_per_call": _F.steps_per_call, "complete": final,
             "total_seconds": time.perf_counter() - t_start, "load_average_end": os.getloadavg()}
-    if "eagle" in drafters and (pathlib.Path(_F.drafter) / "warmup.json").exists():
-        meta["warmup"] = json.loads((pathlib.Path(_F.drafter) / "warmup.json").read_text())
+    if "eagle" in drafters and (pathlib.Path(_drafter_dir()) / "warmup.json").exists():
+        meta["warmup"] = json.loads((pathlib.Path(_drafter_dir()) / "warmup.json").read_text())
     out.write_text(json.dumps({"meta": meta, "summary": summary, "step_breakdown_b1": breakdown, "rows": rows},
                               indent=1, default=_np))
     if final:
