@@ -105,11 +105,11 @@ def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -
                                                      num_nodes=n, attend_len=length)),
         )
 
+    fwd = jax.jit(lambda p, c_, i, m: jnp.argmax(p(i, cache=c_.view(length), tree_mask=m).logits, -1))
     for t in (1, 2, 4, 5, 7, 8, 16):  # the policy forward alone, over t chained tokens after the prompt
         ids = jnp.zeros((1, t), jnp.int32)
         mask = jnp.tril(jnp.ones((1, t, t), bool))
-        fwd = jax.jit(lambda p, c_, i, m: jnp.argmax(p(i, cache=c_.view(length), tree_mask=m).logits, -1))
-        ms = _median_ms(lambda f=fwd, i=ids, m=mask: f(policy, cache, i, m))
+        ms = _median_ms(lambda i=ids, m=mask: fwd(policy, cache, i, m))
         rows.append(dict(part=f"forward_{t}_tokens", ms=ms))
         print(f"policy forward over {t} tokens: {rows[-1]['ms']:.1f} ms", flush=True)
     for c in configs:

@@ -51,10 +51,11 @@ class ChainProfile:
 
 
 @partial(jax.jit, static_argnames=("depth",))
-def _chains(policy, drafter, state, ids, hidden, roots_at, *, depth: int):
+def _chains(policy, drafter, ids, hidden, roots_at, *, depth: int):
     """[R, depth] top-1 drafts for rows that share one sequence (ids [R, P], hidden [R, P, H]) with roots at
-    ``roots_at`` [R] (each row's drafter cache holds the pairs before its root). ``state``: an empty drafter state of
-    P + depth slots, made outside the jit (an in-graph zero cache is constant-folded slowly by XLA)."""
+    ``roots_at`` [R] (each row's drafter cache holds the pairs before its root)."""
+    r, p = ids.shape
+    state = init_draft_state(policy.config, r, p + depth, hidden.dtype)
     nxt = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
     state = drafter_extend(policy, drafter, state, hidden, nxt, roots_at)
     root = jnp.take_along_axis(ids, roots_at[:, None], axis=1)[:, 0]
@@ -96,8 +97,7 @@ def chain_acceptance(policy, drafter, sequences: Sequence[Sequence[int]], starts
         for i in range(0, roots.size, rows):
             at = roots[i: i + rows]
             at_p = np.pad(at, (0, rows - at.size), mode="edge")
-            state = init_draft_state(policy.config, rows, p + depth, hid_p.dtype)
-            drafts = np.asarray(_chains(policy, drafter, state, jnp.asarray(np.broadcast_to(ids_p, (rows, p))),
+            drafts = np.asarray(_chains(policy, drafter, jnp.asarray(np.broadcast_to(ids_p, (rows, p))),
                                         jnp.asarray(np.broadcast_to(hid_p, (rows, p, hid_p.shape[-1]))),
                                         jnp.asarray(at_p, jnp.int32), depth=depth))[: at.size]
             for L, d in zip(at, drafts, strict=True):
