@@ -144,8 +144,10 @@ def test_reproducible_given_the_timings():
 
 
 def test_state_round_trip_through_json():
-    rates = {1: {"off": 100.0, "eagle:8x4x48": 300.0, "eagle:4x2x12": 200.0}, 16: {"off": 500.0,
-             "eagle:8x4x48": 100.0, "eagle:4x2x12": 450.0}}
+    rates = {
+        1: {"off": 100.0, "eagle:8x4x48": 300.0, "eagle:4x2x12": 200.0},
+        16: {"off": 500.0, "eagle:8x4x48": 100.0, "eagle:4x2x12": 450.0},
+    }
     cfg = BanditConfig(tuple(parse_arms(ARMS)), epsilon=0.4, window=40, seed=2)
     a = Bandit(cfg)
     run(a, lambda t: rates, 70)
@@ -221,3 +223,60 @@ def test_gate_hysteresis():
 
 def test_agreed_seconds_is_the_identity_in_one_process():
     assert agreed_seconds(0.125) == 0.125
+
+
+WORKER = """
+import json, sys
+import jax
+import numpy as np
+pid, port, agree = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+from tlt_jax.adaptive import agreed_seconds, make_bandit
+b = make_bandit(["off", "eagle:8x4x48", "eagle:4x2x12"], epsilon=0.2, window=20, seed=1)
+clock = np.random.default_rng(100 + pid)  # every process has its own clock noise
+rates = {"off": 100.0, "eagle:8x4x48": 104.0, "eagle:4x2x12": 98.0}
+choices = []
+for t in range(40):
+    arm = b.choose(2)
+    secs = 64 / rates[str(arm)] * float(np.exp(clock.normal(0, 0.2)))
+    b.observe(arm, 2, 64, agreed_seconds(secs) if agree else secs)
+    choices.append(str(arm))
+print("RESULT " + json.dumps(dict(choices=choices, state=b.state_dict())))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_processes_agree_on_every_choice():
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    def launch(agree: bool):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", WORKER, str(pid), port, "1" if agree else "0"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for pid in (0, 1)
+        ]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-2000:]
+            outs.append(json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]))
+        return outs
+
+    a, b = launch(agree=True)
+    assert a == b  # same choices and the same bandit state in both processes
+    c, d = launch(agree=False)  # the control: each process's own clock makes the states diverge
+    assert c["state"] != d["state"]
