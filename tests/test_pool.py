@@ -109,3 +109,55 @@ def test_precompile_plan_reports_what_does_not_fit():
     rep = pool.precompile([(k, thunk(k)) for k in K[:4]])  # 4 x 30 > 100: the plan does not fit
     assert rep == dict(keys=4, compiled=1, bytes=90, evicted=1) and pool.evictions == before["evictions"] + 1
     assert pool.counters()["hits"] == before["hits"]  # precompiling is neither a hit nor a miss
+
+
+@pytest.mark.slow
+def test_precompile_every_reachable_arm_and_bucket_of_an_engine():
+    """Two n-gram tree shapes and "off" on a tiny engine: the plan compiles each reachable (arm, bucket) once (the
+    extra arm's verify step from the same builders), and a rollout afterwards compiles only its prefill."""
+    from flax import nnx
+
+    from tlt_jax.adaptive import BanditConfig, parse_arms, reachable_plan
+    from tlt_jax.models import CausalLM, tiny_config
+    from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
+    from tlt_jax.rollout.speculative import register_spec
+
+    cfg = tiny_config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, eos_token_ids=()
+    )
+    eng = RolloutEngine(
+        CausalLM(cfg, rngs=nnx.Rngs(0)),
+        drafter="ngram",
+        spec=SpecConfig(2, 2, 4, threshold=1),
+        max_batch=1,
+        max_len=32,
+        length_buckets=(32,),
+        batch_buckets=(1,),
+        compiler_options=FAST,
+    )
+    bandit = BanditConfig(parse_arms(["off", "ngram:2x2x4", "ngram:3x1x4"]))
+    for arm in bandit.arms:
+        if arm.speculative and not eng.pool.has_builder("verify", arm.pool_name):
+            register_spec(eng.pool, eng.ctx, arm.spec(), arm.kind)
+
+    def abstract_args(arm, b, length):
+        state = eng.ctx.abstract_state(b)
+        if not arm.speculative:
+            return eng.step_params(), state
+        sh = eng.ctx.batch_sharding((b, arm.verify_tokens))
+        tree = [jax.ShapeDtypeStruct((b, arm.verify_tokens), dt, sharding=sh) for dt in (jnp.int32, jnp.int32, bool)]
+        return eng.step_params(), state, *tree
+
+    plan = reachable_plan(bandit, eng.batch_buckets, eng.length_buckets, 1, abstract_args)
+    assert sorted((k.phase, k.batch, k.length, k.arm) for k, _ in plan) == [
+        ("decode", 1, 32, "plain"),
+        ("verify", 1, 32, "tree/ngram/d2k2n4"),
+        ("verify", 1, 32, "tree/ngram/d3k1n4"),
+    ]
+    rep = eng.pool.precompile(plan)
+    assert rep["compiled"] == rep["keys"] == 3 and rep["evicted"] == 0 and rep["bytes"] > 0
+    assert eng.pool.precompile(plan)["compiled"] == 0
+    res = eng.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
+    assert res.stats["arms"] == {eng.spec_arm: res.stats["verify_steps"]}  # the engine's verify arm, from the plan
+    assert {k.phase for k in eng.pool.keys()} == {"decode", "verify", "prefill"}
+    assert res.stats["pool_this_call"]["compiles"] == 1
