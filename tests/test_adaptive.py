@@ -172,6 +172,8 @@ def test_table_restricts_buckets_and_reachable_set():
         table={1: ["eagle:8x4x48"], 4: ["off", "eagle:8x4x16"]},
     )
     b = Bandit(cfg)
+    b.observe("off", 1, 10, 1.0)  # an arm outside the bucket's table: recorded, never chosen there
+    assert b.best(1) is None and b.stats()["steps"][1] == {"off": 1}
     assert [str(b.choose(1)) for _ in range(5)] == ["eagle:8x4x48"] * 5  # one arm: never explores
     b.observe("eagle:8x4x16", 4, 10, 1.0)
     assert str(b.choose(4)) == "off"  # untried in bucket 4's table

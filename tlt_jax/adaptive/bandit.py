@@ -192,6 +192,8 @@ class Bandit:
 
     def _track_best(self, bucket: int) -> None:
         best = self.best(bucket)
+        if best is None:  # only arms outside this bucket's table were observed
+            return
         i = self._index[best]
         if bucket in self._best and self._best[bucket] != i:
             self._best_changes[bucket] = self._best_changes.get(bucket, 0) + 1
