@@ -184,6 +184,9 @@ class StepPool:
         )
 
     def counters(self) -> dict[str, Any]:
+        """compiles, compile_seconds, hits, misses, evictions (count or byte bound), size / budget (executables),
+        bytes / peak_bytes (held now / most held after bounding), max_bytes, estimated (sizes not reported by the
+        backend), oversized (executables over max_bytes on their own)."""
         return dict(
             compiles=self.compiles,
             compile_seconds=round(self.compile_seconds, 4),
