@@ -126,15 +126,22 @@ def sliced(model, r):
                          compaction=False, capture=HiddenCapture(window=8), compiler_options=FAST)
 
 
-def test_two_slices_match_one(model):
+@pytest.fixture(scope="module")
+def two(model):
+    rollout = sliced(model, 2)
+    yield rollout
+    rollout.close()
+
+
+@pytest.mark.slow
+def test_two_slices_match_one(model, two):
     params = SamplingParams(temperature=1.0, top_k=50, n=2, max_new_tokens=[5, 30, 12, 3, 20], seed=11,
                             ignore_eos=True)
-    one, two = sliced(model, 1), sliced(model, 2)
+    one = sliced(model, 1)
     try:
         a, b = one.generate(PROMPTS, params), two.generate(PROMPTS, params)
     finally:
         one.close()
-        two.close()
     assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
     for i in range(len(PROMPTS)):
         for j in range(2):
@@ -147,8 +154,9 @@ def test_two_slices_match_one(model):
     assert len(d0) == len(d1) == 4 and not d0 & d1
 
 
-def test_controller_trains_on_the_idle_slice(model, tmp_path):
-    rollout = sliced(model, 2)
+@pytest.mark.slow
+def test_controller_trains_on_the_idle_slice(model, two, tmp_path):
+    rollout = two
     drafter = EagleDrafter(model.config, rngs=nnx.Rngs(1))
     trainer = SpotTrainer(drafter, rollout.meshes, rollout.policy, optim=OptimConfig(learning_rate=1e-3))
     buffer = DrafterBuffer(max_bytes=2**20)
@@ -156,12 +164,9 @@ def test_controller_trains_on_the_idle_slice(model, tmp_path):
                      workdir=tmp_path)
     # Slice 0 (prompts 0-2) finishes after a few tokens; slice 1 (prompts 3-4) decodes 50 more, 1 per round trip.
     params = SamplingParams(temperature=1.0, n=2, max_new_tokens=[4, 4, 4, 50, 50], seed=3, ignore_eos=True)
-    try:
-        want = rollout.generate(PROMPTS, params)
-        res, m = ctl.run_step(1, PROMPTS, params)
-        res2, m2 = ctl.run_step(2, PROMPTS, params)
-    finally:
-        rollout.close()
+    want = rollout.generate(PROMPTS, params)
+    res, m = ctl.run_step(1, PROMPTS, params)
+    res2, m2 = ctl.run_step(2, PROMPTS, params)
     assert res.tokens == want.tokens and res2.tokens == want.tokens  # the controller changes nothing sampled
     lines = [json.loads(x) for x in (tmp_path / TIMELINE_FILE).read_text().splitlines()]
     for step, metrics in ((1, m), (2, m2)):
