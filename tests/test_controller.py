@@ -50,6 +50,7 @@ def test_early_slice_trains_until_the_last_rollout_ends():
     assert sched.train_steps == [9, 0]
     assert m["controller/busy_s"] == 6.25 and m["controller/train_s"] == 4.5 and m["controller/idle_s"] == 0.25
     assert m["controller/train_steps"] == 9 and m["controller/train_slices"] == 1
+    assert m["controller/rollout_s"] == 5.25 and m["controller/overhang_s"] == 0.25
 
 
 def test_random_timings_keep_the_invariants():
@@ -63,6 +64,7 @@ def test_random_timings_keep_the_invariants():
         end = max(iv["end"] for iv in sched.timeline)
         check_timeline(sched, end)
         assert end - last < step + 1e-9  # nothing waits more than one drafter step
+        assert m["controller/rollout_s"] == last and m["controller/overhang_s"] == end - last
         for iv in sched.timeline:
             if iv["state"] == TRAINING:
                 assert iv["start"] < last  # training only starts while the rollout runs
@@ -140,8 +142,19 @@ def test_two_slices_match_one(model, two):
     one = sliced(model, 1)
     try:
         a, b = one.generate(PROMPTS, params), two.generate(PROMPTS, params)
+        # One slice is never idle during the rollout: steps_without_idle trains after it (the single-slice path).
+        trainer = SpotTrainer(EagleDrafter(model.config, rngs=nnx.Rngs(1)), one.meshes, one.policy)
+        with pytest.raises(ValueError, match=r"rows=4 must be a multiple of 8"):
+            Controller(one, trainer=trainer, buffer=DrafterBuffer(2**20), cfg=ControllerConfig(rows=4))
+        ctl = Controller(one, trainer=trainer, buffer=DrafterBuffer(2**20),
+                         cfg=ControllerConfig(steps_without_idle=2, row_len=16, rows=8))
+        c, m = ctl.run_step(1, PROMPTS, params)
     finally:
         one.close()
+    assert c.tokens == a.tokens
+    assert m["controller/train_steps"] == 2 and m["drafter/total_steps"] == 2
+    states = [iv["state"] for iv in ctl.scheduler.timeline]
+    assert states in ([BUSY, TRAINING], [BUSY, TRAINING, IDLE])  # idle only between the last step and finish
     assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
     for i in range(len(PROMPTS)):
         for j in range(2):

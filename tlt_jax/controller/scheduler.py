@@ -55,7 +55,7 @@ class SliceScheduler:
         self.timeline: list[dict] = []
         self.train_steps = [0] * self.n
         self.extra = 0
-        self.rollout_over = False
+        self.rollout_over, self.rollout_end = False, 0.0
         self.clock = 0.0
 
     def _tick(self, t: float) -> None:
@@ -75,9 +75,7 @@ class SliceScheduler:
         self.since = [float(t)] * self.n
         self.clock = float(t)
         self.timeline, self.train_steps = [], [0] * self.n
-        self.rollout_over, self.extra = False, 0
-        if not any(busy):
-            self.rollout_over = True
+        self.rollout_over, self.rollout_end, self.extra = not any(busy), float(t), 0
 
     def busy(self) -> list[int]:
         return [s for s in range(self.n) if self.state[s] == BUSY]
@@ -102,7 +100,7 @@ class SliceScheduler:
             for i in idle:
                 self._set(i, TRAINING, t)
             return idle
-        self.rollout_over = True
+        self.rollout_over, self.rollout_end = True, float(t)
         self.extra = self.cfg.steps_without_idle if can else 0
         if self.extra and self.state[0] == IDLE:
             self.extra -= 1
@@ -140,6 +138,8 @@ class SliceScheduler:
             "controller/busy_s": total[BUSY],
             "controller/idle_s": total[IDLE],
             "controller/train_s": total[TRAINING],
+            "controller/rollout_s": self.rollout_end,  # when the last shard ended
+            "controller/overhang_s": float(t) - self.rollout_end,  # drafter steps finishing after it
             "controller/train_steps": float(sum(self.train_steps)),
             "controller/train_slices": float(sum(k > 0 for k in self.train_steps)),
         }
