@@ -83,6 +83,11 @@ def test_min_idle_slices_no_data_and_steps_without_idle():
     assert m["controller/train_steps"] == 0 and m["controller/idle_s"] == 2.0
     sched, m = simulate([1.0, 3.0], 0.5, ControllerConfig(train_drafter=False))
     assert m["controller/train_steps"] == 0
+    # A slice with no prompt trains from the start when there is data (the previous step's).
+    sched, _ = simulate([None, 4.0], 1.5)
+    assert check_timeline(sched, 4.5)[0] == [(TRAINING, 0.0, 4.5)] and sched.train_steps == [3, 0]
+    sched, _ = simulate([None, 4.0], 1.5, can_train=False)
+    assert check_timeline(sched, 4.0)[0] == [(IDLE, 0.0, 4.0)]
     # One slice: never idle during the rollout; steps_without_idle trains after it.
     sched, m = simulate([2.0], 0.5, ControllerConfig(steps_without_idle=3))
     assert check_timeline(sched, 3.5)[0] == [(BUSY, 0.0, 2.0), (TRAINING, 2.0, 3.5)]
@@ -195,3 +200,11 @@ def test_controller_trains_on_the_idle_slice(model, two, tmp_path):
         assert np.isfinite(metrics["drafter/loss"])
     assert m2["drafter/total_steps"] == m["controller/train_steps"] + m2["controller/train_steps"]
     assert m2["buffer/current_step_samples"] == 10 and m2["buffer/previous_step_samples"] == 10
+    # A slice that fails: the other slice's work drains, then the error surfaces; the controller stays usable.
+    bad = [list(p) for p in PROMPTS]
+    bad[0] = [999]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ctl.run_step(3, bad, params)
+    assert not trainer.replicas
+    _, m4 = ctl.run_step(4, PROMPTS, params)
+    assert m4["drafter/total_steps"] == m2["drafter/total_steps"] + m4["controller/train_steps"]

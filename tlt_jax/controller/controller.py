@@ -90,6 +90,7 @@ class Controller:
 
         for j in jobs:
             submit("rollout", j.slice, self.rollout.run_job, j)
+        dispatch(sched.poll(0.0, training and self.buffer.ready()))  # slices with no prompt, previous-step data
         error: BaseException | None = None
         while inflight:
             kind, s, fut = events.get()

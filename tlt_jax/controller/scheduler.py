@@ -3,7 +3,8 @@
 Pure host logic driven by events with explicit times, so it runs the same under real threads (``Controller``) and
 under scripted timings (``simulate``, used by tests and pod simulations):
 
-- ``start``: every slice with work is busy (a slice with no prompt is idle from the start).
+- ``start``: every slice with work is busy (a slice with no prompt is idle from the start; ``poll`` dispatches it
+  when there is data from the previous step).
 - ``rollout_done(s)``: s becomes idle; while some slice is still busy and at least ``min_idle_slices`` slices are
   idle (and there is data), every idle slice is dispatched to train.
 - ``train_step_done(s)``: s trains on while a slice is busy; once none is, it stops (an in-flight drafter step
@@ -94,12 +95,7 @@ class SliceScheduler:
         self._set(s, IDLE, t)
         can = self.cfg.train_drafter and can_train
         if self.busy():
-            idle = [i for i in range(self.n) if self.state[i] == IDLE]
-            if not can or len(idle) < self.cfg.min_idle_slices:
-                return []
-            for i in idle:
-                self._set(i, TRAINING, t)
-            return idle
+            return self.poll(t, can)
         self.rollout_over, self.rollout_end = True, float(t)
         self.extra = self.cfg.steps_without_idle if can else 0
         if self.extra and self.state[0] == IDLE:
@@ -107,6 +103,17 @@ class SliceScheduler:
             self._set(0, TRAINING, t)
             return [0]
         return []
+
+    def poll(self, t: float, can_train: bool = True) -> list[int]:
+        """While the rollout runs: if at least ``min_idle_slices`` slices are idle (and there is data), dispatch them
+        all. Also called right after ``start`` (a slice with no prompt can train on the previous step's data)."""
+        self._tick(t)
+        idle = [i for i in range(self.n) if self.state[i] == IDLE]
+        if not self.busy() or not (self.cfg.train_drafter and can_train) or len(idle) < self.cfg.min_idle_slices:
+            return []
+        for i in idle:
+            self._set(i, TRAINING, t)
+        return idle
 
     def train_step_done(self, s: int, t: float) -> bool:
         """A drafter step on s ended at t. True: start another one on s; False: s is idle now."""
@@ -154,6 +161,7 @@ def simulate(rollout_s: Sequence[float | None], train_step_s: float, cfg: Contro
     sched = SliceScheduler(len(rollout_s), cfg)
     sched.start(0.0, [r is not None for r in rollout_s])
     events = [(float(r), 0, s) for s, r in enumerate(rollout_s) if r is not None]  # (time, kind, slice); 0 = rollout
+    events += [(train_step_s, 1, s) for s in sched.poll(0.0, can_train)]
     heapq.heapify(events)
     end = 0.0
     while events:
