@@ -184,7 +184,10 @@ def test_controller_trains_on_the_idle_slice(model, two, tmp_path):
     params = SamplingParams(temperature=1.0, n=2, max_new_tokens=[4, 4, 4, 50, 50], seed=3, ignore_eos=True)
     want = rollout.generate(PROMPTS, params)
     res, m = ctl.run_step(1, PROMPTS, params)
-    res2, m2 = ctl.run_step(2, PROMPTS, params)
+    calls = []
+    res2, m2 = ctl.run_step(2, PROMPTS, params, on_chunk=lambda f, a: calls.append((f, a)))
+    assert all(f + a == 10 for f, a in calls) and calls[-1] == (10, 0)
+    assert [f for f, _ in calls] == sorted(f for f, _ in calls)
     assert res.tokens == want.tokens and res2.tokens == want.tokens  # the controller changes nothing sampled
     lines = [json.loads(x) for x in (tmp_path / TIMELINE_FILE).read_text().splitlines()]
     for step, metrics in ((1, m), (2, m2)):

@@ -16,11 +16,11 @@ import json
 import os
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tlt_jax.controller.scheduler import ControllerConfig, SliceScheduler
-from tlt_jax.controller.slices import SlicedRollout, merge_results
+from tlt_jax.controller.slices import SlicedRollout, merge_results, progress_hooks
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.rollout import RolloutResult, SamplingParams
@@ -58,9 +58,12 @@ class Controller:
         return self.buffer.batch(self.cfg.row_len, self.cfg.rows, seed)
 
     def run_step(self, step: int, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 request_ids: Sequence[int] | None = None) -> tuple[RolloutResult, dict[str, float]]:
-        """Roll out ``prompts`` over all slices, training the drafter on idle ones; returns (result, metrics)."""
+                 request_ids: Sequence[int] | None = None,
+                 on_chunk: Callable[[int, int], None] | None = None) -> tuple[RolloutResult, dict[str, float]]:
+        """Roll out ``prompts`` over all slices, training the drafter on idle ones; returns (result, metrics).
+        on_chunk(finished, active): rollout progress summed over slices (see SlicedRollout.generate)."""
         jobs = self.rollout.jobs(prompts, params, request_ids)
+        hooks = dict(zip((j.slice for j in jobs), progress_hooks(jobs, on_chunk), strict=True))
         training = self.trainer is not None and self.cfg.train_drafter
         if self.buffer is not None:
             self.buffer.start_step(step)
@@ -89,7 +92,7 @@ class Controller:
                 local[s] += 1
 
         for j in jobs:
-            submit("rollout", j.slice, self.rollout.run_job, j)
+            submit("rollout", j.slice, self.rollout.run_job, j, hooks[j.slice])
         dispatch(sched.poll(0.0, training and self.buffer.ready()))  # slices with no prompt, previous-step data
         error: BaseException | None = None
         while inflight:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -110,20 +111,39 @@ class SlicedRollout:
         return self.engines[job.slice].generate(job.prompts, job.params, request_ids=job.request_ids,
                                                 on_chunk=on_chunk)
 
-    def submit(self, job: SliceJob) -> concurrent.futures.Future:
-        return self.workers[job.slice].submit(self.run_job, job)
+    def submit(self, job: SliceJob, on_chunk=None) -> concurrent.futures.Future:
+        return self.workers[job.slice].submit(self.run_job, job, on_chunk)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 request_ids: Sequence[int] | None = None) -> RolloutResult:
-        """Decode every slice's share at the same time; the result is in the original prompt order."""
+                 request_ids: Sequence[int] | None = None,
+                 on_chunk: Callable[[int, int], None] | None = None) -> RolloutResult:
+        """Decode every slice's share at the same time; the result is in the original prompt order. on_chunk:
+        as RolloutEngine.generate, with (finished, active) samples summed over slices."""
         jobs = self.jobs(prompts, params, request_ids)
-        futures = [self.submit(j) for j in jobs]
+        hooks = progress_hooks(jobs, on_chunk)
+        futures = [self.submit(j, h) for j, h in zip(jobs, hooks, strict=True)]
         concurrent.futures.wait(futures)
         return merge_results(len(prompts), jobs, [f.result() for f in futures])
 
     def close(self) -> None:
         for w in self.workers:
             w.shutdown(wait=True)
+
+
+def progress_hooks(jobs: Sequence[SliceJob], on_chunk: Callable[[int, int], None] | None) -> list:
+    """Per-slice on_chunk callbacks that report (finished, active) summed over all slices, one call at a time
+    (they run on the slices' threads)."""
+    if on_chunk is None:
+        return [None] * len(jobs)
+    lock = threading.Lock()
+    state = {j.slice: (0, len(j.indices) * j.params.n) for j in jobs}
+
+    def hook(s, finished, active):
+        with lock:
+            state[s] = (finished, active)
+            on_chunk(sum(f for f, _ in state.values()), sum(a for _, a in state.values()))
+
+    return [lambda f, a, s=j.slice: hook(s, f, a) for j in jobs]
 
 
 def merge_results(num_prompts: int, jobs: Sequence[SliceJob], results: Sequence[RolloutResult]) -> RolloutResult:
