@@ -149,6 +149,9 @@ def test_two_slices_match_one(model, two):
         a, b = one.generate(PROMPTS, params), two.generate(PROMPTS, params)
         # One slice is never idle during the rollout: steps_without_idle trains after it (the single-slice path).
         trainer = SpotTrainer(EagleDrafter(model.config, rngs=nnx.Rngs(1)), one.meshes, one.policy)
+        with pytest.raises(ValueError, match=r"capture=HiddenCapture"):
+            Controller(SlicedRollout(model, one.meshes[0], 1, max_len=64), buffer=DrafterBuffer(2**20),
+                       trainer=trainer)
         with pytest.raises(ValueError, match=r"rows=4 must be a multiple of 8"):
             Controller(one, trainer=trainer, buffer=DrafterBuffer(2**20), cfg=ControllerConfig(rows=4))
         ctl = Controller(one, trainer=trainer, buffer=DrafterBuffer(2**20),

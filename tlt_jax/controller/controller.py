@@ -44,6 +44,9 @@ class Controller:
         if trainer is not None and trainer.num_slices != rollout.num_slices:
             raise ValueError(f"Controller: the trainer has {trainer.num_slices} slices, the rollout "
                              f"{rollout.num_slices}; build the SpotTrainer from rollout.meshes")
+        if buffer is not None and any(e.capture is None for e in rollout.engines):
+            raise ValueError("Controller: the drafter buffer needs the rollout's hidden states; build the "
+                             "SlicedRollout with capture=HiddenCapture(...)")
         if trainer is not None:
             need = max(trainer.batch_multiple)
             if cfg.rows % need:
@@ -71,7 +74,7 @@ class Controller:
             self.trainer.begin_step(step)
         sched = self.scheduler
         events: queue.Queue = queue.Queue()
-        t0 = time.perf_counter()
+        t0, t0_unix = time.perf_counter(), time.time()
         now = lambda: time.perf_counter() - t0
         with_work = {j.slice for j in jobs}
         sched.start(0.0, [s in with_work for s in range(self.rollout.num_slices)])
@@ -126,14 +129,16 @@ class Controller:
                     metrics[name] = sum(vals) / len(vals)
         if self.buffer is not None:
             metrics.update(self.buffer.stats())
-        self._write_timeline(step, sched.timeline)
+        self._write_timeline(step, t0_unix, sched.timeline)
         result = merge_results(len(prompts), jobs, [results[j.slice] for j in jobs])
         return result, metrics
 
-    def _write_timeline(self, step: int, timeline: list[dict[str, Any]]) -> None:
+    def _write_timeline(self, step: int, t0_unix: float, timeline: list[dict[str, Any]]) -> None:
+        """One line per interval: step, slice, state, start / end (seconds since the step began), step_start
+        (unix time)."""
         if self.workdir is None:
             return
         os.makedirs(self.workdir, exist_ok=True)
         with open(os.path.join(self.workdir, TIMELINE_FILE), "a") as f:
             for iv in timeline:
-                f.write(json.dumps(dict(step=int(step), **iv)) + "\n")
+                f.write(json.dumps(dict(step=int(step), **iv, step_start=t0_unix)) + "\n")

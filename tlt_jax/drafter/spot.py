@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from tlt_jax.distributed import LogicalRules
@@ -45,7 +46,6 @@ class SpotTrainer:
             raise ValueError("SpotTrainer needs at least one mesh slice")
         self.meshes, self.policy_for, self.seed = list(meshes), policy_for, int(seed)
         self._vocab = drafter.vocab_ids()
-        self._template = drafter
         self.optimizer = make_optimizer(optim)
         self.graphdef, host = init_train_state(drafter, self.optimizer)
         self.current: _TrainState = jax.device_get(host)
@@ -114,8 +114,6 @@ class SpotTrainer:
 
     def drafter(self) -> EagleDrafter:
         """The current drafter as a module (host arrays), draft vocabulary re-attached."""
-        from flax import nnx
-
         d = nnx.merge(self.graphdef, self.current.params)
         if self._vocab is not None:
             d.set_draft_vocab(np.asarray(self._vocab))
