@@ -214,3 +214,35 @@ def test_controller_trains_on_the_idle_slice(model, two, tmp_path):
     assert not trainer.replicas
     _, m4 = ctl.run_step(4, PROMPTS, params)
     assert m4["drafter/total_steps"] == m2["drafter/total_steps"] + m4["controller/train_steps"]
+
+
+@pytest.mark.slow
+def test_trained_drafter_published_to_eagle_slices_stays_lossless(model, two):
+    import jax
+
+    from tlt_jax.rollout import SpecConfig
+
+    drafter = EagleDrafter(model.config, rngs=nnx.Rngs(2))
+    spec = SpecConfig(depth=3, topk=2, verify_tokens=6, threshold=16)  # every chunk speculative
+    rollout = SlicedRollout(model, make_mesh(MeshConfig(data=2), jax.devices()[:2]), 2, drafter=drafter, spec=spec,
+                            max_batch=8, max_len=64, chunk_size=4, length_buckets=(64,), compaction=False,
+                            capture=HiddenCapture(window=16), compiler_options=FAST)
+    trainer = SpotTrainer(drafter, rollout.meshes, rollout.policy, optim=OptimConfig(learning_rate=3e-3))
+    ctl = Controller(rollout, trainer=trainer, buffer=DrafterBuffer(2**20), cfg=ControllerConfig(row_len=16, rows=2))
+    greedy = SamplingParams(temperature=0.0, n=2, max_new_tokens=[6, 6, 6, 40, 40], ignore_eos=True)
+    try:
+        want = two.generate(PROMPTS, greedy)  # plain decoding
+        res, m = ctl.run_step(1, PROMPTS, greedy)
+        assert res.tokens == want.tokens and res.stats["verify_steps"] > 0
+        assert m["controller/train_steps"] >= 1
+        before = jax.tree.leaves(rollout.engines[1].drafter_params)
+        rollout.set_drafter(trainer.drafter())  # between steps: the next rollout drafts with the trained drafter
+        after = jax.tree.leaves(rollout.engines[1].drafter_params)
+        assert any(not np.array_equal(x, y) for x, y in zip(before, after, strict=True))
+        res2 = rollout.generate(PROMPTS, greedy)
+    finally:
+        rollout.close()
+    assert res2.tokens == want.tokens and res2.stats["verify_steps"] > 0
+    for i in range(len(PROMPTS)):
+        for j in range(2):
+            np.testing.assert_allclose(res2.logprobs[i][j], want.logprobs[i][j], atol=1e-5)
