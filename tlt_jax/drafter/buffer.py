@@ -115,7 +115,9 @@ class DrafterBuffer:
         if not self.samples:
             raise ValueError("DrafterBuffer.batch: the buffer is empty (check ready() before asking for a batch)")
         order = np.random.default_rng(seed).permutation(len(self.samples))
-        chosen = [(self.samples[k].ids, self.samples[k].hidden, 1) for k in order]
+        order = order[: num_rows * row_len]  # each sample takes >= 1 slot: no more can fit (keeps packing cheap)
+        samples = list(self.samples)  # deque indexing is O(n)
+        chosen = [(samples[k].ids, samples[k].hidden, 1) for k in order]
         return pack_sequences(chosen, row_len, num_rows)
 
     def stats(self) -> dict[str, float]:
