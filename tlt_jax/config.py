@@ -19,8 +19,6 @@ from typing import Any
 import ml_collections
 
 from tlt_jax.distributed.mesh import MeshConfig
-from tlt_jax.rl.advantages import ADVANTAGE_FNS
-from tlt_jax.rl.losses import KL_ESTIMATORS, LOSS_AGG_FNS, POLICY_LOSS_FNS
 
 __all__ = [
     "CheckpointConfig",
@@ -48,6 +46,12 @@ DATA_SOURCES = ("synthetic", "gsm_symbolic", "gsm8k_file")
 SCHEDULES = ("constant", "cosine", "linear")
 DTYPES = ("float32", "bfloat16")
 SPECULATIVE = ("off", "ngram", "eagle")
+# Names the RL blocks accept. The config owns these lists (it imports nothing from tlt_jax.rl, which imports the
+# config: no package cycle); tlt_jax.rl's registries must hold exactly these names (tests/test_config.py checks).
+ADVANTAGES = ("drgrpo", "grpo", "rloo")
+POLICY_LOSSES = ("ppo_clip",)
+LOSS_AGG_MODES = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean")
+KL_KINDS = ("abs", "k1", "k2", "k3", "kl", "low_var_kl", "mse")
 
 
 class ConfigError(ValueError):
@@ -212,13 +216,13 @@ class RLConfig:
 
     def validate(self, key: str) -> None:
         for name, reg in (
-            ("advantage", ADVANTAGE_FNS),
-            ("policy_loss", POLICY_LOSS_FNS),
-            ("loss_agg_mode", LOSS_AGG_FNS),
-            ("kl_kind", KL_ESTIMATORS),
+            ("advantage", ADVANTAGES),
+            ("policy_loss", POLICY_LOSSES),
+            ("loss_agg_mode", LOSS_AGG_MODES),
+            ("kl_kind", KL_KINDS),
         ):
             val = getattr(self, name)
-            _require(val in reg, f"{key}.{name}", f"unknown {val!r}; choose from {sorted(reg)}")
+            _require(val in reg, f"{key}.{name}", f"unknown {val!r}; choose from {list(reg)}")
         _require(0 <= self.clip_low < 1, f"{key}.clip_low", "must be in [0, 1)")
         _require(self.clip_high >= 0, f"{key}.clip_high", "must be >= 0")
         _require(self.kl_coef >= 0, f"{key}.kl_coef", "must be >= 0")

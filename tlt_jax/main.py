@@ -166,7 +166,7 @@ def build_data(cfg, tokenizer, model_config) -> Data:
 
 
 def build_reward(cfg, tokenizer):
-    from tlt_jax.rl.learner import GSM8KReward, TargetTokenReward
+    from tlt_jax.rewards import GSM8KReward, TargetTokenReward
 
     if cfg.data.source == "synthetic":
         return TargetTokenReward(cfg.rollout.max_new_tokens)

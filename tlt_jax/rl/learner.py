@@ -8,10 +8,8 @@ three jitted pure functions (rollout steps inside the engine, :mod:`tlt_jax.rl.l
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from tlt_jax.config import Config
 from tlt_jax.distributed import LogicalRules
+from tlt_jax.rewards import RewardFn
 from tlt_jax.rl.advantages import compute_advantages
 from tlt_jax.rl.logprobs import make_logprob_fn
 from tlt_jax.rl.train_step import LossConfig, TrainState, init_train_state, lr_schedule, make_optimizer, make_train_step
@@ -28,69 +27,9 @@ from tlt_jax.rollout import SamplingParams
 
 __all__ = [
     "GRPOLearner",
-    "GSM8KReward",
-    "RewardFn",
-    "RewardOutput",
-    "TargetTokenReward",
     "bucket_length",
     "build_sequences",
 ]
-
-
-@dataclasses.dataclass
-class RewardOutput:
-    """Scores [P, n] (the RL reward), whether each response is correct [P, n], and counters (timeouts...)."""
-
-    scores: np.ndarray
-    correct: np.ndarray
-    info: dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-class RewardFn(Protocol):
-    def __call__(self, examples: Sequence[dict], completions: Sequence[Sequence[Sequence[int]]]) -> RewardOutput: ...
-
-
-class TargetTokenReward:
-    """The tiny task: reward = fraction of the ``max_new_tokens`` positions that hold the example's target token
-    (``ground_truth``); stopping early scores the missing positions as 0. Correct = every position is the target."""
-
-    def __init__(self, max_new_tokens: int):
-        self.max_new_tokens = max_new_tokens
-
-    def __call__(self, examples, completions) -> RewardOutput:
-        scores = np.array(
-            [
-                [sum(int(t) == int(ex["ground_truth"]) for t in c) / self.max_new_tokens for c in comps]
-                for ex, comps in zip(examples, completions, strict=True)
-            ],
-            np.float32,
-        )
-        return RewardOutput(scores, scores >= 1.0 - 1e-6)
-
-    def close(self) -> None:
-        pass
-
-
-class GSM8KReward:
-    """GSM8K exact match of the final number, scored in worker processes with a per-item timeout."""
-
-    def __init__(self, tokenizer, num_workers: int = 2, timeout_s: float = 5.0):
-        from tlt_jax.rewards import ParallelScorer, score_gsm8k
-
-        self.tokenizer = tokenizer
-        self.scorer = ParallelScorer(score_gsm8k, num_workers=num_workers, timeout_s=timeout_s)
-
-    def __call__(self, examples, completions) -> RewardOutput:
-        n = len(completions[0])
-        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for comps in completions for c in comps]
-        truths = [ex["ground_truth"] for ex in examples for _ in range(n)]
-        out = self.scorer(texts, truths)
-        scores = out.scores.reshape(len(examples), n)
-        info = {"reward/timeouts": float(out.num_timeouts), "reward/errors": float(out.num_errors)}
-        return RewardOutput(scores, scores >= 1.0, info)
-
-    def close(self) -> None:
-        self.scorer.close()
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -155,6 +94,7 @@ class GRPOLearner:
             clip_low=rl.clip_low,
             clip_high=rl.clip_high,
             agg_mode=rl.loss_agg_mode,
+            norm_len=cfg.rollout.max_new_tokens,
             kl_coef=rl.kl_coef,
             kl_kind=rl.kl_kind,
         )
