@@ -122,7 +122,8 @@ def test_loss_does_not_depend_on_the_length_bucket(mode):
         tx = make_optimizer(OptimConfig(lr=1e-2, eps=1e-3), 10)
         state = init_train_state(params, tx)
         loss_cfg = LossConfig(4, agg_mode=mode, norm_len=T, kl_coef=0.01)
-        state, m = make_train_step(graphdef, tx, loss_cfg, state)(state, rest, {k: jnp.asarray(v) for k, v in b.items()})
+        step = make_train_step(graphdef, tx, loss_cfg, state)
+        state, m = step(state, rest, {k: jnp.asarray(v) for k, v in b.items()})
         results.append((_flat(state), float(m["loss"])))
     (a, la), (b, lb) = results
     assert la != 0.0 and abs(la - lb) < 1e-6, (mode, la, lb)
