@@ -235,7 +235,7 @@ def test_config_error_is_raised_before_work(tmp_path):
 
 
 def test_non_default_knobs_end_to_end(tmp_path):
-    """bf16 compute, remat, 2 mini-batches x 2 epochs, RLOO, k1 KL, cosine warm-up, top-k/top-p, periodic eval,
+    """bf16 compute, remat, 2 mini-batches x 2 epochs, RLOO, k1 KL, cosine warm-up, periodic eval,
     synchronous checkpoints, no TensorBoard: the run completes and each knob shows in what it records."""
     cfg = _cfg(
         "tiny.py",
@@ -248,8 +248,6 @@ def test_non_default_knobs_end_to_end(tmp_path):
         "--config.rl.micro_batch_size=8",
         "--config.optim.schedule=cosine",
         "--config.optim.warmup_steps=1",
-        "--config.rollout.top_k=8",
-        "--config.rollout.top_p=0.9",
         "--config.eval.every_steps=1",
         "--config.eval.max_new_tokens=4",
         "--config.eval.at_start=False",
