@@ -378,7 +378,7 @@ def _default_workdir(name: str) -> str:
 
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag (see --helpfull)")
     from absl import logging as absl_logging
 
     from tlt_jax.config import ConfigError, from_config_dict
@@ -387,7 +387,7 @@ def main(argv: Sequence[str]) -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax / grain log every save at INFO
     log.setLevel(logging.INFO)
     if FLAGS.config is None:
-        raise app.UsageError("--config=configs/<name>.py is required")
+        raise app.UsageError("--config=configs/<name>.py is required (e.g. --config=configs/tiny.py)")
     try:
         cfg = from_config_dict(FLAGS.config)
     except ConfigError as e:
@@ -406,5 +406,7 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    from tlt_jax import cli
+
     define_flags()
-    app.run(main)
+    cli.run(main)
