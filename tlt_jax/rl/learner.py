@@ -79,6 +79,8 @@ class GRPOLearner:
 
     def __init__(self, cfg: Config, model, engine, reward_fn: RewardFn, *, mesh: Mesh, rules=LogicalRules()):
         self.cfg, self.engine, self.reward_fn, self.mesh, self.rules = cfg, engine, reward_fn, mesh, rules
+        # The run's key (key data): every rollout seed derives from it. A resumed run takes the checkpoint's.
+        self.run_key = np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed)))
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=jax.tree.map(lambda x: x.sharding, params))
         self.ref_params = copy(params) if cfg.rl.kl_coef > 0 else None
@@ -110,7 +112,9 @@ class GRPOLearner:
         return nnx.merge(self.graphdef, self.state.params, self.rest)
 
     def rollout_seed(self, step: int) -> int:
-        return (self.cfg.train.seed * 1_000_003 + step * 7_919) % (2**32)
+        """The sampling seed of step ``step``'s rollouts: a hash of (run key, step), computed on the host."""
+        words = [int(w) for w in np.asarray(self.run_key, np.uint32).ravel()]
+        return int(np.random.SeedSequence([*words, step]).generate_state(1, np.uint32)[0])
 
     def _put(self, x: np.ndarray) -> jax.Array:
         logical = ("batch",) + (None,) * (x.ndim - 1)
@@ -253,6 +257,9 @@ class GRPOLearner:
 
     # ---- checkpointed state -----------------------------------------------------------------------------------
 
-    def load_state(self, state: TrainState) -> None:
-        """Continue from a restored train state (same structure and shardings as ``self.state``)."""
+    def load_state(self, state: TrainState, run_key: np.ndarray | None = None) -> None:
+        """Continue from a restored train state (same structure and shardings as ``self.state``) and, when given,
+        the run key the checkpoint saved (so the resumed steps sample what the uninterrupted run would have)."""
         self.state = state
+        if run_key is not None:
+            self.run_key = np.asarray(run_key)
