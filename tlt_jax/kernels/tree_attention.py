@@ -134,21 +134,28 @@ def plan(batch: int, seq_len: int, hkv: int, row_blocks: int, block_k: int, num_
     return block_k, num_splits, chunk
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "block_m", "num_splits"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "block_m", "num_splits", "scale"))
 def prefix_tree_attention_gpu(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask, *, interpret=False,
-                              block_k=64, block_m=64, num_splits=None):
+                              block_k=64, block_m=64, num_splits=None, scale=None):
     """Tree attention over a cache prefix plus T new tokens held apart (the model's layout; see module doc).
 
     q [B, T, Hq, D]; k_cache, v_cache [B, S, Hkv, D] (positions < prefix_len[b] are visible to every query);
     prefix_len [B] int32; k_new, v_new [B, T, Hkv, D]; tree_mask [B, T, T] bool (query i sees new token j).
     Returns [B, T, Hq, D] in q's dtype; softmax in float32. A query that sees nothing returns zeros.
+    Tuning: block_k cache positions per loop step, block_m query rows per program, num_splits cache splits
+    (default: enough programs to fill a GPU). scale defaults to 1/sqrt(D).
     """
     check_shapes(q, k_cache, v_cache, prefix_len, k_new, v_new, tree_mask)
     b, t, hq, d = q.shape
     s, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
-    if d < _MIN_DIM or d & (d - 1):
-        raise ValueError(f"tree attention (Triton): head_dim must be a power of two >= 16, got {d}")
+    dp = _pow2(d)
+    if dp != d:  # Triton tiles are powers of two >= 16: pad (copies the cache; real heads are 64/128/256 wide)
+        pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, dp - d),))  # noqa: E731
+        out = prefix_tree_attention_gpu(pad(q), pad(k_cache), pad(v_cache), prefix_len, pad(k_new), pad(v_new),
+                                        tree_mask, interpret=interpret, block_k=block_k, block_m=block_m,
+                                        num_splits=num_splits, scale=d**-0.5)
+        return out[..., :d]
     block_m = min(_pow2(block_m), _pow2(t * g))
     rows = -(-(t * g) // block_m) * block_m
     row_blocks = rows // block_m
@@ -158,7 +165,8 @@ def prefix_tree_attention_gpu(q, k_cache, v_cache, prefix_len, k_new, v_new, tre
     kn, vn = pad_new(k_new.astype(k_cache.dtype), new_cols), pad_new(v_new.astype(v_cache.dtype), new_cols)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, block_k=block_k, chunk=chunk, num_splits=num_splits, seq_len=s,
-                               scale=d**-0.5, precision=precision)
+                               scale=d**-0.5 if scale is None else scale,
+                               precision=precision)
     grid = (b, hkv, row_blocks, num_splits)
     rows_spec = pl.BlockSpec((None, None, block_m, d), lambda i, h, r, p: (i, h, r, 0))
     o, m, den = pl.pallas_call(
