@@ -82,7 +82,7 @@ def _online_update(carry, scores, visible, v, precision):
     p = jnp.where(visible, jnp.exp(scores - m_safe[:, None]), 0.0)
     alpha = jnp.exp(m - m_safe)  # exp(-inf) = 0 while nothing was visible
     den = alpha * den + jnp.sum(p, axis=1)
-    o = alpha[:, None] * o + pl.dot(p.astype(v.dtype), v, precision=precision)
+    o = alpha[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)
     return o, m_new, den
 
 
@@ -102,7 +102,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, m_ref
         valid = (first + offs) < stop
         k = plgpu.load(k_ref.at[pl.ds(first, block_k), :], mask=valid[:, None], other=0.0)
         v = plgpu.load(v_ref.at[pl.ds(first, block_k), :], mask=valid[:, None], other=0.0)
-        s = pl.dot(q, k, trans_b=True, precision=precision) * scale
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
         return _online_update(carry, s, valid[None, :], v, precision)
 
     d = q.shape[1]
@@ -112,7 +112,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, o_ref, m_ref
 
     def fold_new(c):
         kn, vn = kn_ref[...], vn_ref[...]
-        s = pl.dot(q, kn, trans_b=True, precision=precision) * scale
+        s = plgpu.dot(q, kn, trans_b=True, precision=precision) * scale
         return _online_update(c, s, mask_ref[...] != 0, vn, precision)
 
     o, m, den = jax.lax.cond(split == num_splits - 1, fold_new, lambda c: c, carry)
