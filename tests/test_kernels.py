@@ -17,6 +17,7 @@ from test_speculative_stats import chi2, draft_table, exact_joint, make_policy, 
 from tlt_jax.drafter import EagleDrafter
 from tlt_jax.kernels import prefix_tree_attention, tree_attention, tree_attention_reference
 from tlt_jax.models import CausalLM, KVCache, rollout_copy, tiny_config
+from tlt_jax.models.transformer import PALLAS_MAX_NEW_TOKENS
 from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
 
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -157,6 +158,10 @@ def test_model_pallas_forward_matches_xla_on_a_verify_tree():
     ids, tm = jnp.asarray(rng.integers(0, 64, (2, 6))), tree_masks(rng, 2, 6)
     pos = cache.lengths[:, None] + tm.sum(-1) - 1  # length + depth in the tree
     kw = dict(positions=pos, tree_mask=tm, cache=cache.view(16))
+    uses_kernel = lambda m, x, **k: "pallas_call" in str(jax.make_jaxpr(lambda: m(x, **k))())  # noqa: E731
+    assert uses_kernel(fast, ids, **kw) and not uses_kernel(model, ids, **kw)
+    long = jnp.zeros((2, PALLAS_MAX_NEW_TOKENS + 1), jnp.int32)  # prefill-sized calls stay on XLA
+    assert not uses_kernel(fast, long, cache=KVCache.zeros(CFG, 2, 160))
     want, got = model(ids, **kw), fast(ids, **kw)
     assert max_err(got.logits, want.logits) <= 2e-5 and max_err(got.k_new, want.k_new) <= 2e-5
 
