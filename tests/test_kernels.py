@@ -205,16 +205,12 @@ def test_engine_pallas_greedy_speculative_equals_plain():
     assert plain.tokens == xla.tokens
 
 
-def _spread(model):
-    model.lm_head[...] = model.lm_head[...] * 12.0  # trained LMs are peaked; random init is near uniform
-    return model
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["ngram", "eagle"])
 def test_bf16_greedy_speculative_equals_plain_bf16(drafter):
-    """Lossless in bf16: tree decoding reproduces plain decoding of the same bf16 policy token for token."""
-    model = _spread(CausalLM(CFG, rngs=nnx.Rngs(0)))
+    """Lossless in bf16: tree decoding reproduces plain decoding of the same bf16 policy token for token (here the
+    random policy's near-uniform logits make greedy choices fragile: bf16 plain decoding differs from fp32)."""
+    model = CausalLM(CFG, rngs=nnx.Rngs(0))
     kw = dict(max_batch=4, max_len=48, length_buckets=(48,), batch_buckets=(4,), compiler_options=FAST,
               dtype=jnp.bfloat16)
     params = SamplingParams(temperature=0.0, n=2, max_new_tokens=[20, 14], ignore_eos=True)
