@@ -219,6 +219,7 @@ def test_bf16_greedy_speculative_equals_plain_bf16(drafter):
     eng = RolloutEngine(model, drafter=d, spec=SpecConfig(depth=3, topk=2, verify_tokens=6, threshold=4), **kw)
     res = eng.generate(PROMPTS, params)
     assert res.tokens == plain.tokens and res.stats["verify_steps"] > 0
+    assert RolloutEngine(model, **dict(kw, dtype=None)).generate(PROMPTS, params).tokens != plain.tokens
 
 
 @pytest.mark.slow
