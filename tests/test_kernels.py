@@ -164,6 +164,9 @@ def test_model_pallas_forward_matches_xla_on_a_verify_tree():
     assert not uses_kernel(fast, long, cache=KVCache.zeros(CFG, 2, 160))
     want, got = model(ids, **kw), fast(ids, **kw)
     assert max_err(got.logits, want.logits) <= 2e-5 and max_err(got.k_new, want.k_new) <= 2e-5
+    low = rollout_copy(model, dtype=jnp.bfloat16)
+    want, got = low(ids, **kw), rollout_copy(model, dtype="bfloat16", attention_impl="pallas")(ids, **kw)
+    assert got.logits.dtype == jnp.bfloat16 and max_err(got.logits, want.logits) <= 2e-2
 
 
 def test_rollout_copy_casts_a_copy_and_the_engine_decodes_bf16():
