@@ -10,6 +10,8 @@ listed but unreadable (a corrupted file) is skipped with a warning and the previ
 from __future__ import annotations
 
 import dataclasses
+import glob
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -92,12 +94,14 @@ class Checkpointer:
         """Restore the newest readable step (None if there is none). ``data_iter`` is set to its saved position."""
         skipped = []
         for step in reversed(self.all_steps()):
+            data_state = self._data_state_from_other_process_count(step)
             items = dict(
                 train_state=ocp.args.StandardRestore(abstract_state),
                 rng=ocp.args.StandardRestore(),
-                data=grain.checkpoint.CheckpointRestore(data_iter),
                 controller=ocp.args.JsonRestore(),
             )
+            if data_state is None:
+                items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
             for name, tree in (abstract_extra or {}).items():
                 items[f"extra_{name}"] = ocp.args.StandardRestore(tree)
             try:
@@ -113,6 +117,8 @@ class Checkpointer:
                 skipped.append(step)
                 self._set_aside(step)
                 continue
+            if data_state is not None:
+                data_iter.set_state(data_state)
             extra = {name: out[f"extra_{name}"] for name in (abstract_extra or {})}
             return Restored(
                 step, out["train_state"], np.asarray(out["rng"]["key"]), dict(out["controller"]), extra, skipped
@@ -120,6 +126,28 @@ class Checkpointer:
         if skipped:
             log.warning("no readable checkpoint in %s (unreadable steps: %s); starting fresh", self.directory, skipped)
         return None
+
+    def _data_state_from_other_process_count(self, step: int) -> dict | None:
+        """The data iterator state when ``step`` was saved by a different number of processes (None otherwise).
+
+        grain writes one state per process. The prompt pipeline's per-process states are equal (the number of
+        global batches consumed), so any of them resumes any process count; unequal states cannot be mapped."""
+        own = os.path.join(
+            self.directory, str(step), "data", f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        )
+        files = sorted(glob.glob(os.path.join(self.directory, str(step), "data", "process_*-of-*.json")))
+        if os.path.exists(own) or not files:
+            return None
+        states = {json.dumps(json.load(open(f)), sort_keys=True) for f in files}
+        if len(states) != 1:
+            raise ValueError(
+                f"checkpoint step {step} in {self.directory} was saved by {len(files)} processes whose data iterator "
+                f"states differ ({sorted(states)}); resume it with {len(files)} processes"
+            )
+        log.info(
+            "step %d was saved by %d processes; resuming its data position on %d", step, len(files), jax.process_count()
+        )
+        return json.loads(states.pop())
 
     def _set_aside(self, step: int) -> None:
         """Move an unreadable step out of the way (kept for inspection) so that step can be saved again."""
