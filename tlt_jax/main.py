@@ -113,8 +113,9 @@ def build_model(cfg, mesh):
         tokenizer = None
     else:
         path = DEFAULT_MODEL if cfg.model.source == "smollm2" else cfg.model.path
-        model, tokenizer = load_model_and_tokenizer(path, dtype, jnp.float32)
-        model = shard_module(model, mesh)
+        # HF directories are read shard by shard into the mesh (each process only its devices' slices).
+        model, tokenizer = load_model_and_tokenizer(path, dtype, jnp.float32, mesh=mesh)
+        model = shard_module(model, mesh)  # GGUF loads whole; already-sharded HF params stay where they are
     model.remat = cfg.model.remat
     return model, tokenizer
 

@@ -73,7 +73,7 @@ def local_rows(num: int) -> np.ndarray:
 
 def to_host(x) -> np.ndarray:
     """A (possibly multi-process sharded) array as one numpy array, the same on every process."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
         from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
