@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tlt_jax.distributed.runtime import LaunchSpec, first_slurm_host, resolve_launch
@@ -159,6 +160,69 @@ def test_dead_peer_ends_survivor_in_bounded_time(tmp_path):
     out = (tmp_path / "p0.log").read_text()
     assert rc != 0 and elapsed < 45, (rc, elapsed)
     assert "Gloo" in out or "another task died" in out or "heartbeat" in out, out[-3000:]
+
+
+# Exercises the host collectives on 2 processes (1 device each) and prints what each process got.
+HELPERS = r"""
+import json
+from tlt_jax.distributed.runtime import initialize, resolve_launch
+initialize(resolve_launch())
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from tlt_jax.data import prompt_dataset
+from tlt_jax.distributed import make_mesh
+from tlt_jax.distributed.multihost import ProcessShardedReward, gather_global_batch, reduce_metrics, to_host
+from tlt_jax.rl.learner import RewardOutput
+
+me = jax.process_index()
+examples = [{"prompt_ids": [i], "ground_truth": str(i)} for i in range(12)]
+local = next(iter(prompt_dataset(examples, 4, seed=3, num_epochs=None)))  # this process's 2 of the step's 4
+batch = gather_global_batch(local)
+whole = next(iter(prompt_dataset(examples, 4, seed=3, num_epochs=None, shard_index=0, shard_count=1)))
+seen = []
+def reward(exs, comps):
+    seen.extend(int(e["ground_truth"]) for e in exs)
+    s = np.array([[float(e["ground_truth"]) + j for j in range(len(c))] for e, c in zip(exs, comps)], np.float32)
+    return RewardOutput(s, s > 5, {"reward/timeouts": 1.0})
+out = ProcessShardedReward(reward)(batch, [[[1], [2]] for _ in batch])
+x = jax.device_put(np.arange(8.0).reshape(4, 2), NamedSharding(make_mesh(), PartitionSpec("data")))
+reduced = reduce_metrics({"time/step_s": 1.0 + me, "reward/mean": 0.5})
+try:
+    reduce_metrics({"reward/mean": float(me)})
+    diverged = ""
+except RuntimeError as e:
+    diverged = str(e)
+print("RESULT " + json.dumps(dict(
+    me=me, batch=batch == whole, mine=seen, scores=out.scores.tolist(), info=out.info,
+    host=to_host(x * 2).tolist(), reduced=reduced, diverged=diverged)), flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_host_collectives_on_two_processes():
+    """Global batch = the unsharded pipeline's; each process scores only its prompts and all get every score;
+    sharded arrays come to every host; metrics agree (time/* = slowest) and a divergence is an error."""
+    import json
+
+    p = subprocess.run(
+        [str(LOCAL_SH), "-n", "2", "-d", "1", "--", sys.executable, "-c", HELPERS],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    res = {r["me"]: r for r in (json.loads(x.split("RESULT ", 1)[1]) for x in p.stdout.splitlines() if "RESULT" in x)}
+    assert sorted(res) == [0, 1]
+    r0, r1 = res[0], res[1]
+    assert r0["batch"] and r1["batch"]
+    assert len(r0["mine"]) == len(r1["mine"]) == 2 and not set(r0["mine"]) & set(r1["mine"])
+    assert r0["scores"] == r1["scores"] and r0["info"] == r1["info"] == {"reward/timeouts": 2.0}
+    assert sorted(s[0] for s in r0["scores"]) == sorted(r0["mine"] + r1["mine"])
+    assert r0["host"] == r1["host"] == (np.arange(8.0).reshape(4, 2) * 2).tolist()
+    assert r0["reduced"] == r1["reduced"] == {"time/step_s": 2.0, "reward/mean": 0.5}
+    assert "processes diverged: metric 'reward/mean' is [0.0, 1.0]" in r0["diverged"]
 
 
 # ----- the main job across processes ------------------------------------------------------------------------------

@@ -80,9 +80,12 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def reduce_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+def reduce_metrics(
+    metrics: Mapping[str, float], must_agree: tuple[str, ...] = ("reward/", "response/", "train/")
+) -> dict[str, float]:
     """The same metrics on every process: ``time/*`` (wall-clock, differs per host) is the slowest process's,
-    everything else the mean (already identical when computed from gathered data)."""
+    everything else the mean. Metrics under ``must_agree`` come from the gathered rollout and the shared update, so
+    they must be bitwise equal everywhere; a difference means the processes' host-side decisions diverged."""
     if jax.process_count() == 1:
         return dict(metrics)
     keys = sorted(metrics)
@@ -93,6 +96,13 @@ def reduce_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
 
     vals = np.asarray(multihost_utils.process_allgather(np.array([metrics[k] for k in keys], np.float64)))
     vals = vals.reshape(jax.process_count(), len(keys))
+    for i, k in enumerate(keys):
+        col = vals[:, i]
+        if k.startswith(must_agree) and not np.array_equal(col, np.full_like(col, col[0]), equal_nan=True):
+            raise RuntimeError(
+                f"processes diverged: metric {k!r} is {col.tolist()} on processes 0..{len(col) - 1}; every process "
+                "must run the same rollout and update (same global batch, same host-side decisions)"
+            )
     return {k: float(vals[:, i].max() if k.startswith("time/") else vals[:, i].mean()) for i, k in enumerate(keys)}
 
 
