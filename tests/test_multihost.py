@@ -83,6 +83,15 @@ def test_local_sh_rejects_bad_usage():
         assert p.returncode == 2 and "usage:" in p.stderr, (args, p.stderr)
 
 
+def test_main_rejects_partial_launch_flags(tmp_path):
+    """--num_processes without the coordinator and process id is a launch error (exit 2), before any work."""
+    cmd = [sys.executable, "-m", "tlt_jax.main", f"--config={REPO / 'configs' / 'tiny.py'}", f"--workdir={tmp_path}"]
+    p = subprocess.run([*cmd, "--num_processes=2"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "launch error: give all of --coordinator_address, --num_processes and --process_id" in p.stderr
+    assert not (tmp_path / "config.json").exists()
+
+
 # ----- failures -------------------------------------------------------------------------------------------------
 
 
@@ -267,12 +276,15 @@ def test_two_processes_match_one_and_resume_on_another_count(tmp_path):
         "--config.eval.batch_size=4",
     )
     ref_dir, multi = tmp_path / "ref", tmp_path / "multi"
+    t0 = time.perf_counter()
     run(_cfg("tiny.py", *common), str(ref_dir))
+    t1 = time.perf_counter()
     ref = _train_rows(ref_dir)
 
     cmd = [str(LOCAL_SH), "-n", "2", "-d", "4", "--", sys.executable, "-m", "tlt_jax.main"]
     cmd += [f"--config={REPO / 'configs' / 'tiny.py'}", f"--workdir={multi}", "--config.metrics.progress_bars=False"]
     p = subprocess.run([*cmd, *common], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=500)
+    t2 = time.perf_counter()
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "[p0] workdir" in p.stdout and "[p1] workdir" not in p.stdout  # only process 0 prints the run
     assert "process 1 of 2 (launch/local.sh" in p.stderr and "4 local / 8 global cpu devices" in p.stderr
@@ -292,3 +304,4 @@ def test_two_processes_match_one_and_resume_on_another_count(tmp_path):
     assert resumed[2] == rows[2]  # kept, not re-run: the run restarted from step 2 (wall-clock keys included)
     assert not (tmp_path / "multi" / "checkpoints_unreadable").exists()
     _assert_close(resumed[3], ref[3], 3)
+    print(f"1x8: {t1 - t0:.0f} s, 2x4: {t2 - t1:.0f} s, resume 1x8: {time.perf_counter() - t2:.0f} s")
