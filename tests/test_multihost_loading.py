@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from tlt_jax.distributed import LogicalRules, MeshConfig, make_mesh, state_shardings
 from tlt_jax.models import CausalLM, ModelLoadError, from_pretrained, save_pretrained, tiny_config
@@ -79,6 +80,27 @@ def test_sharded_load_checks_shapes(tmp_path):
         load_hf(tmp_path / "m", mesh=make_mesh(MeshConfig(1, 8, 1)))
 
 
+def test_sharded_build_from_a_source_without_slices(tmp_path):
+    """A source that can only give whole tensors (as GGUF's) still builds every parameter in its sharding."""
+    from tlt_jax.models.hf_io import SafetensorsSource, load_hf_config
+    from tlt_jax.models.weights import abstract_model, model_from_hf_tensors
+
+    save_pretrained(_random_model(attention_bias=True, head_dim=8), tmp_path / "m")
+    full = SafetensorsSource(tmp_path / "m")
+
+    class WholeOnly:
+        names, get, where = full.names, full.get, full.where
+
+    cfg = load_hf_config(tmp_path / "m")
+    mesh = make_mesh(MeshConfig(1, 4, 2))
+    shardings = state_shardings(nnx.split(abstract_model(cfg))[1], mesh, LogicalRules())
+    zero_o_bias = lambda name, _=None: name.endswith("o_proj.bias")  # llama + attention_bias writes zeros
+    built = model_from_hf_tensors(cfg, WholeOnly(), shardings=shardings, allowed_extra=zero_o_bias)
+    a, b = flat_params(load_hf(tmp_path / "m")), flat_params(built)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert nnx.state(built, nnx.Param)["embed_tokens"].get_value().sharding.spec == PartitionSpec("tensor", "fsdp")
+
+
 # Loads an HF directory with FSDP over every device of the job and reports this process's memory while loading:
 # the peak of anonymous resident memory (sampled) above the level before loading, and parameter sums.
 LOADER = r"""
@@ -106,6 +128,7 @@ model = load_hf(sys.argv[1], mesh=mesh)
 stop.set(); t.join()
 peak[0] = max(peak[0], anon())
 from flax import nnx
+from jax.sharding import PartitionSpec
 flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 sums = {k: float(to_host(jnp.sum(x))) for k, x in flat.items()}
 local = sum(s.data.nbytes for x in flat.values() for s in x.addressable_shards)
