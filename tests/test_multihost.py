@@ -184,10 +184,11 @@ from tlt_jax.distributed.multihost import ProcessShardedReward, gather_global_ba
 from tlt_jax.rl.learner import RewardOutput
 
 me = jax.process_index()
-examples = [{"prompt_ids": [i], "ground_truth": str(i)} for i in range(12)]
+examples = [{"prompt_ids": [i, np.int64(i)], "ground_truth": str(i)} for i in range(12)]
 local = next(iter(prompt_dataset(examples, 4, seed=3, num_epochs=None)))  # this process's 2 of the step's 4
 batch = gather_global_batch(local)
 whole = next(iter(prompt_dataset(examples, 4, seed=3, num_epochs=None, shard_index=0, shard_count=1)))
+whole = [dict(e, prompt_ids=[int(t) for t in e["prompt_ids"]]) for e in whole]
 seen = []
 def reward(exs, comps):
     seen.extend(int(e["ground_truth"]) for e in exs)

@@ -40,13 +40,20 @@ def _bucket(n: int) -> int:
     return b
 
 
+def _plain(x):
+    """JSON for numpy values inside gathered objects (e.g. token ids as numpy ints)."""
+    if isinstance(x, np.generic | np.ndarray):
+        return x.tolist()
+    raise TypeError(f"cannot send a {type(x).__name__} between processes; use JSON types or numpy values")
+
+
 def allgather_objects(obj: Any) -> list[Any]:
     """Every process's JSON-serialisable ``obj``, in process order (``[obj]`` in one process)."""
     if jax.process_count() == 1:
         return [obj]
     from jax.experimental import multihost_utils
 
-    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    data = np.frombuffer(json.dumps(obj, default=_plain).encode(), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32))).reshape(-1)
     buf = np.zeros((_bucket(int(sizes.max())),), np.uint8)
     buf[: data.size] = data
