@@ -31,6 +31,10 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "workdir", None, "Run directory (resumed if it holds checkpoints). Default: runs/<name>-<time>."
     )
+    # Multi-process runs: all three, or none (then launch/local.sh's or SLURM's environment, else one process).
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0's jax.distributed coordinator.")
+    flags.DEFINE_integer("num_processes", None, "Number of processes in the job.")
+    flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
 
 
 log = logging.getLogger("tlt_jax")
@@ -109,8 +113,9 @@ def build_model(cfg, mesh):
         tokenizer = None
     else:
         path = DEFAULT_MODEL if cfg.model.source == "smollm2" else cfg.model.path
-        model, tokenizer = load_model_and_tokenizer(path, dtype, jnp.float32)
-        model = shard_module(model, mesh)
+        # HF directories are read shard by shard into the mesh (each process only its devices' slices).
+        model, tokenizer = load_model_and_tokenizer(path, dtype, jnp.float32, mesh=mesh)
+        model = shard_module(model, mesh)  # GGUF loads whole; already-sharded HF params stay where they are
     model.remat = cfg.model.remat
     return model, tokenizer
 
@@ -265,6 +270,13 @@ def run(cfg, workdir: str) -> dict[str, float]:
     from tlt_jax.config import ConfigError, to_json
     from tlt_jax.data import prompt_dataset
     from tlt_jax.distributed import make_mesh
+    from tlt_jax.distributed.multihost import (
+        NullWriter,
+        ProcessShardedReward,
+        gather_global_batch,
+        is_primary,
+        reduce_metrics,
+    )
     from tlt_jax.metrics import ConsoleTable, MetricsWriter, Progress
     from tlt_jax.rl.learner import GRPOLearner
 
@@ -283,7 +295,7 @@ def run(cfg, workdir: str) -> dict[str, float]:
     mesh = make_mesh(cfg.mesh)
     model, tokenizer = build_model(cfg, mesh)
     data = build_data(cfg, tokenizer, model.config)
-    reward_fn = build_reward(cfg, tokenizer)
+    reward_fn = ProcessShardedReward(build_reward(cfg, tokenizer))  # each process scores the prompts it read
     engine = build_engine(cfg, model, mesh, data)
     learner = GRPOLearner(cfg, model, engine, reward_fn, mesh=mesh)
     del model
@@ -293,8 +305,8 @@ def run(cfg, workdir: str) -> dict[str, float]:
             cfg.data.prompts_per_step,
             seed=cfg.data.shuffle_seed,
             num_epochs=None,
-            shard_index=0,
-            shard_count=1,
+            shard_index=jax.process_index(),
+            shard_count=jax.process_count(),
         )
     )
     ckpt = Checkpointer(
@@ -329,10 +341,13 @@ def run(cfg, workdir: str) -> dict[str, float]:
         consecutive = int(restored.controller.get("consecutive_nonfinite", 0))
         log.info("resumed from step %d in %s", start, ckpt.directory)
 
-    writer = MetricsWriter(workdir, tensorboard=cfg.metrics.tensorboard, resume_step=start)
+    primary = is_primary()  # only process 0 prints and writes; all take part in checkpoints
+    writer = MetricsWriter(workdir, tensorboard=cfg.metrics.tensorboard, resume_step=start) if primary else NullWriter()
     writer.write_config(config_json)
     table = ConsoleTable(speculative=cfg.rollout.speculative != "off")
-    progress = Progress(cfg.train.num_steps, start, enabled=cfg.metrics.progress_bars)
+    progress = Progress(cfg.train.num_steps, start, enabled=cfg.metrics.progress_bars and primary)
+    if not primary:
+        progress.write = lambda line: None
     progress.write(
         f"workdir {workdir} | {jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)} | "
         f"policy {sum(x.size for x in jax.tree.leaves(learner.state.params)) / 1e6:.1f}M params | "
@@ -351,11 +366,12 @@ def run(cfg, workdir: str) -> dict[str, float]:
             writer.write(0, m, kind="eval")
             progress.write(f"eval at step 0: accuracy {m['eval/accuracy']:.3f} on {len(data.eval)} held-out prompts")
         for step in range(start + 1, cfg.train.num_steps + 1):
-            examples = next(train_iter)
+            examples = gather_global_batch(next(train_iter))  # this process's shard -> the global batch
             metrics = {**learner.step(step, examples, progress), **data.info}
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.num_steps:
                 metrics.update(learner.evaluate(data.eval, **eval_kwargs))
             metrics["time/elapsed_s"] = time.perf_counter() - t_start
+            metrics = reduce_metrics(metrics)
             writer.write(step, metrics)
             progress.end_step()
             table.print(dict(metrics, step=step), write=progress.write)
@@ -409,8 +425,20 @@ def main(argv: Sequence[str]) -> None:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    from tlt_jax.distributed.runtime import initialize, resolve_launch
+
+    try:
+        launch = resolve_launch(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    except ValueError as e:
+        print(f"launch error: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    initialize(launch)
     _enable_compilation_cache()
     workdir = FLAGS.workdir or _default_workdir(cfg.name)
+    if launch is not None:  # one run directory for all processes: process 0's
+        from tlt_jax.distributed.multihost import allgather_objects
+
+        workdir = allgather_objects(workdir)[0]
     try:
         run(cfg, workdir)
     except (FileNotFoundError, ModelLoadError, ConfigError, UnreadableCheckpointError) as e:

@@ -17,6 +17,8 @@ moved to ``<dir>_unreadable`` (kept, so the step can be written again). If no st
 from __future__ import annotations
 
 import dataclasses
+import glob
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -175,12 +177,14 @@ class Checkpointer:
             self._check_compatible(step, "train_state", abstract_state)
             for name, tree in (abstract_extra or {}).items():
                 self._check_compatible(step, f"extra_{name}", tree)
+            data_state = self._data_state_from_other_process_count(step)
             items = dict(
                 train_state=ocp.args.StandardRestore(abstract_state),
                 rng=ocp.args.StandardRestore(),
-                data=grain.checkpoint.CheckpointRestore(data_iter),
                 controller=ocp.args.JsonRestore(),
             )
+            if data_state is None:
+                items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
             for name, tree in (abstract_extra or {}).items():
                 items[f"extra_{name}"] = ocp.args.StandardRestore(tree)
             try:
@@ -197,6 +201,8 @@ class Checkpointer:
                 continue
             for bad, _ in unreadable:
                 self._set_aside(bad)
+            if data_state is not None:
+                data_iter.set_state(data_state)
             extra = {name: out[f"extra_{name}"] for name in (abstract_extra or {})}
             return Restored(
                 step,
@@ -214,19 +220,47 @@ class Checkpointer:
             )
         return None
 
+    def _data_state_from_other_process_count(self, step: int) -> dict | None:
+        """The data iterator state when ``step`` was saved by a different number of processes (None otherwise).
+
+        grain writes one state per process. The prompt pipeline's per-process states are equal (the number of
+        global batches consumed), so any of them resumes any process count; unequal states cannot be mapped."""
+        own = os.path.join(
+            self.directory, str(step), "data", f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        )
+        files = sorted(glob.glob(os.path.join(self.directory, str(step), "data", "process_*-of-*.json")))
+        if os.path.exists(own) or not files:
+            return None
+        states = {json.dumps(json.load(open(f)), sort_keys=True) for f in files}
+        if len(states) != 1:
+            raise ValueError(
+                f"checkpoint step {step} in {self.directory} was saved by {len(files)} processes whose data iterator "
+                f"states differ ({sorted(states)}); resume it with {len(files)} processes"
+            )
+        log.info(
+            "step %d was saved by %d processes; resuming its data position on %d", step, len(files), jax.process_count()
+        )
+        return json.loads(states.pop())
+
     def _set_aside(self, step: int) -> None:
-        """Move an unreadable step out of the way (kept for inspection) so that step can be saved again."""
-        src = os.path.join(self.directory, str(step))
-        dst_root = self.directory.rstrip("/") + "_unreadable"
-        os.makedirs(dst_root, exist_ok=True)
-        dst = os.path.join(dst_root, str(step))
-        i = 0
-        while os.path.exists(dst):
-            i += 1
-            dst = os.path.join(dst_root, f"{step}.{i}")
-        if os.path.isdir(src):
-            os.rename(src, dst)
-            log.warning("moved unreadable checkpoint step %d to %s", step, dst)
+        """Move an unreadable step out of the way (kept for inspection) so that step can be saved again. Only process
+        0 moves files (the directory is shared); every process waits for it before reloading the step list."""
+        if jax.process_index() == 0:
+            src = os.path.join(self.directory, str(step))
+            dst_root = self.directory.rstrip("/") + "_unreadable"
+            os.makedirs(dst_root, exist_ok=True)
+            dst = os.path.join(dst_root, str(step))
+            i = 0
+            while os.path.exists(dst):
+                i += 1
+                dst = os.path.join(dst_root, f"{step}.{i}")
+            if os.path.isdir(src):
+                os.rename(src, dst)
+                log.warning("moved unreadable checkpoint step %d to %s", step, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"tlt_jax_set_aside_{step}")
         self.manager.reload()
 
     def wait(self) -> None:

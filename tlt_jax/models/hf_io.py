@@ -178,18 +178,31 @@ class SafetensorsSource:
     def where(self, name: str) -> str:
         return str(self.directory / self._file.get(name, WEIGHTS_FILE))
 
-    def get(self, name: str) -> np.ndarray:
+    def _handle(self, name: str):
         fname = self._file[name]
         if fname not in self._open:
             fpath = self.directory / fname
             if not fpath.exists():
                 raise ModelLoadError(f"{fpath}: shard listed in {INDEX_FILE} (for tensor {name!r}) not found")
             self._open[fname] = safe_open(fpath, framework="numpy")
-        f = self._open[fname]
+        return self._open[fname]
+
+    def get(self, name: str) -> np.ndarray:
+        f = self._handle(name)
         try:
             return f.get_tensor(name)
         except Exception as e:
             raise ModelLoadError(f"{self.where(name)}: cannot read tensor {name!r} ({e})") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """Only the bytes of ``tensor[index]`` are read (contiguous slices)."""
+        try:
+            return self._handle(name).get_slice(name)[index]
+        except Exception as e:
+            raise ModelLoadError(f"{self.where(name)}: cannot read {index} of tensor {name!r} ({e})") from None
 
 
 def _zero_o_proj_bias(source: SafetensorsSource):
@@ -205,13 +218,31 @@ def _zero_o_proj_bias(source: SafetensorsSource):
     return allowed
 
 
-def load_hf(path: str | os.PathLike, dtype=jnp.float32, param_dtype=None) -> CausalLM:
-    """CausalLM from an HF directory (config.json + model.safetensors or a sharded index)."""
+def load_hf(path: str | os.PathLike, dtype=jnp.float32, param_dtype=None, *, mesh=None, rules=None) -> CausalLM:
+    """CausalLM from an HF directory (config.json + model.safetensors or a sharded index).
+
+    With ``mesh`` the parameters are created in their sharding (``rules``, default the project's) and each process
+    reads from the files only the slices its devices hold: a large model is never whole in one host's memory."""
     path = Path(path)
     cfg = load_hf_config(path)
     source = SafetensorsSource(path)
+    shardings = None
+    if mesh is not None:
+        from flax import nnx
+
+        from tlt_jax.distributed.sharding import LogicalRules, state_shardings
+        from tlt_jax.models.weights import abstract_model
+
+        _, abstract = nnx.split(abstract_model(cfg, dtype, param_dtype))
+        shardings = state_shardings(abstract, mesh, rules or LogicalRules())
     return model_from_hf_tensors(
-        cfg, source, dtype=dtype, param_dtype=param_dtype, origin=str(path), allowed_extra=_zero_o_proj_bias(source)
+        cfg,
+        source,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        origin=str(path),
+        allowed_extra=_zero_o_proj_bias(source),
+        shardings=shardings,
     )
 
 

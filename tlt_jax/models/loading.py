@@ -91,17 +91,20 @@ def _save_cache(model: CausalLM, file: Path) -> None:
     _atomic_write(file, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
-def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=None, *, cache: bool = True) -> CausalLM:
+def from_pretrained(
+    path: str | os.PathLike, dtype=jnp.float32, param_dtype=None, *, cache: bool = True, mesh=None
+) -> CausalLM:
     """Load a CausalLM from an HF directory, a .gguf file or an alias (``presets.DEFAULT_MODEL``).
 
     ``dtype`` is the compute dtype; ``param_dtype`` (default: ``dtype``) the stored parameter dtype. GGUF weights are
-    de-quantised to float32 and cached (``cache=False`` skips the cache).
+    de-quantised to float32 and cached (``cache=False`` skips the cache). With ``mesh``, an HF directory is read
+    shard by shard straight into the mesh's parameter shardings (see ``load_hf``); other formats load whole.
     """
     path = presets.resolve(path)
     dtype = jnp.dtype(dtype)
     param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
     if _kind(path) == "hf":
-        return load_hf(path, dtype, param_dtype)
+        return load_hf(path, dtype, param_dtype, mesh=mesh)
     if not cache:
         return load_gguf(path, dtype, param_dtype)
     file, _ = _cache_paths(path)
@@ -145,10 +148,15 @@ def check_tokenizer_matches(tokenizer: Tokenizer, config: ModelConfig) -> None:
 
 
 def load_model_and_tokenizer(
-    path: str | os.PathLike, dtype=jnp.float32, param_dtype=None, *, tokenizer_path: str | os.PathLike | None = None
+    path: str | os.PathLike,
+    dtype=jnp.float32,
+    param_dtype=None,
+    *,
+    tokenizer_path: str | os.PathLike | None = None,
+    mesh=None,
 ) -> tuple[CausalLM, Tokenizer]:
     """Model and tokenizer (from ``tokenizer_path`` or the model's own path), checked to belong together."""
-    model = from_pretrained(path, dtype, param_dtype)
+    model = from_pretrained(path, dtype, param_dtype, mesh=mesh)
     tok = load_tokenizer(path if tokenizer_path is None else tokenizer_path)
     check_tokenizer_matches(tok, model.config)
     return model, tok

@@ -38,6 +38,14 @@ class TensorSource(Protocol):
         ...
 
 
+class SliceSource(TensorSource, Protocol):
+    """A source that can read part of a tensor without the rest (safetensors: only the bytes of the slice)."""
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     """One of our parameters: its HF name (``{i}`` = layer index), HF shape and the layout conversions."""
@@ -47,6 +55,10 @@ class _Spec:
     hf_shape: Callable[[ModelConfig], tuple[int, ...]]
     to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
     to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    # The same conversion for slices: ours = hf.transpose(perm), with axis ``split`` of that (if any) reshaped into
+    # (heads, head_dim). Sharded loading reads only the HF slice behind each device's shard.
+    perm: tuple[int, ...] = (0,)
+    split: int | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -63,9 +75,16 @@ def _t(x, c):
 
 _L = "model.layers.{i}."
 _SPECS = (
-    _Spec(("embed_tokens",), "model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size), _same, _same),
+    _Spec(
+        ("embed_tokens",),
+        "model.embed_tokens.weight",
+        lambda c: (c.vocab_size, c.hidden_size),
+        _same,
+        _same,
+        perm=(0, 1),
+    ),
     _Spec(("norm", "weight"), "model.norm.weight", lambda c: (c.hidden_size,), _same, _same),
-    _Spec(("lm_head",), "lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), _t, _t),
+    _Spec(("lm_head",), "lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), _t, _t, perm=(1, 0)),
     _Spec(
         ("layers", "input_layernorm", "weight"), _L + "input_layernorm.weight", lambda c: (c.hidden_size,), _same, _same
     ),
@@ -82,6 +101,8 @@ _SPECS = (
         lambda c: (c.num_heads * c.head_dim, c.hidden_size),
         lambda x, c: x.T.reshape(c.hidden_size, c.num_heads, c.head_dim),
         lambda y, c: y.reshape(c.hidden_size, -1).T,
+        perm=(1, 0),
+        split=1,
     ),
     _Spec(
         ("layers", "self_attn", "k_proj"),
@@ -89,6 +110,8 @@ _SPECS = (
         lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
         lambda x, c: x.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
         lambda y, c: y.reshape(c.hidden_size, -1).T,
+        perm=(1, 0),
+        split=1,
     ),
     _Spec(
         ("layers", "self_attn", "v_proj"),
@@ -96,6 +119,8 @@ _SPECS = (
         lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
         lambda x, c: x.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
         lambda y, c: y.reshape(c.hidden_size, -1).T,
+        perm=(1, 0),
+        split=1,
     ),
     _Spec(
         ("layers", "self_attn", "o_proj"),
@@ -103,6 +128,8 @@ _SPECS = (
         lambda c: (c.hidden_size, c.num_heads * c.head_dim),
         lambda x, c: x.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
         lambda y, c: y.reshape(-1, c.hidden_size).T,
+        perm=(1, 0),
+        split=0,
     ),
     _Spec(
         ("layers", "self_attn", "q_bias"),
@@ -110,6 +137,7 @@ _SPECS = (
         lambda c: (c.num_heads * c.head_dim,),
         lambda x, c: x.reshape(c.num_heads, c.head_dim),
         lambda y, c: y.reshape(-1),
+        split=0,
     ),
     _Spec(
         ("layers", "self_attn", "k_bias"),
@@ -117,6 +145,7 @@ _SPECS = (
         lambda c: (c.num_kv_heads * c.head_dim,),
         lambda x, c: x.reshape(c.num_kv_heads, c.head_dim),
         lambda y, c: y.reshape(-1),
+        split=0,
     ),
     _Spec(
         ("layers", "self_attn", "v_bias"),
@@ -124,6 +153,7 @@ _SPECS = (
         lambda c: (c.num_kv_heads * c.head_dim,),
         lambda x, c: x.reshape(c.num_kv_heads, c.head_dim),
         lambda y, c: y.reshape(-1),
+        split=0,
     ),
     _Spec(
         ("layers", "mlp", "gate_proj"),
@@ -131,9 +161,15 @@ _SPECS = (
         lambda c: (c.intermediate_size, c.hidden_size),
         _t,
         _t,
+        perm=(1, 0),
     ),
     _Spec(
-        ("layers", "mlp", "up_proj"), _L + "mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), _t, _t
+        ("layers", "mlp", "up_proj"),
+        _L + "mlp.up_proj.weight",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _t,
+        _t,
+        perm=(1, 0),
     ),
     _Spec(
         ("layers", "mlp", "down_proj"),
@@ -141,6 +177,7 @@ _SPECS = (
         lambda c: (c.hidden_size, c.intermediate_size),
         _t,
         _t,
+        perm=(1, 0),
     ),
 )
 _BY_PATH = {s.path: s for s in _SPECS}
@@ -171,6 +208,61 @@ def model_from_arrays(
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
+def model_from_shards(
+    cfg: ModelConfig,
+    read: Callable[[tuple[str, ...], jax.ShapeDtypeStruct, tuple[slice, ...]], np.ndarray],
+    shardings: nnx.State,
+    dtype,
+    param_dtype,
+) -> CausalLM:
+    """Build the model with every parameter created in its sharding from per-shard reads: ``read(path, abstract,
+    index)`` gives the block at ``index`` of one parameter, for the devices of this process only, so no process
+    ever holds more of a parameter than its own devices' shards (plus one block in flight)."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, param_dtype))
+    target = {tuple(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(shardings)}
+    filled = []
+    for path, var in nnx.to_flat_state(state):
+        abstract, key = var.get_value(), tuple(str(p) for p in path)
+        if key not in target:
+            raise ModelLoadError(f"parameter {'.'.join(key)}: no sharding given for it")
+        done: dict[str, np.ndarray] = {}  # replicated shards: read a block once per parameter
+
+        def block(index, key=key, abstract=abstract, done=done):
+            k = repr(index)
+            if k not in done:
+                value = np.asarray(read(key, abstract, index))
+                want = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, abstract.shape, strict=True))
+                if value.shape != want:
+                    raise ModelLoadError(f"parameter {'.'.join(key)}: shard {index} read as {value.shape}, not {want}")
+                done[k] = value.astype(abstract.dtype, copy=False)
+            return done[k]
+
+        filled.append((path, var.replace(jax.make_array_from_callback(abstract.shape, target[key], block))))
+        done.clear()
+    return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
+def _hf_index(
+    spec: _Spec, index: tuple[slice, ...], ours: tuple[int, ...]
+) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """The HF-layout slice behind ``index`` (a block of our per-layer layout ``ours``) and that block's shape."""
+    rng = [range(*sl.indices(n)) for sl, n in zip(index, ours, strict=True)]
+    if any(r.step != 1 for r in rng):
+        raise ModelLoadError(f"{spec.hf_name}: strided shard {index} cannot be read")
+    t = [slice(r.start, r.stop) for r in rng]
+    if spec.split is not None:
+        a, hd = spec.split, ours[spec.split + 1]
+        if len(rng[a + 1]) != hd:
+            raise ModelLoadError(
+                f"{spec.hf_name}: a shard splits head_dim ({index}); shard heads, not head_dim (rule head_dim -> None)"
+            )
+        t[a : a + 2] = [slice(rng[a].start * hd, rng[a].stop * hd)]
+    hf: list[slice] = [slice(None)] * len(t)
+    for k, p in enumerate(spec.perm):
+        hf[p] = t[k]
+    return tuple(hf), tuple(len(r) for r in rng)
+
+
 def _expected_hf_names(cfg: ModelConfig) -> Iterator[tuple[_Spec, int | None, str]]:
     for path, spec in _BY_PATH.items():
         if path == ("lm_head",) and cfg.tie_word_embeddings:
@@ -192,10 +284,13 @@ def model_from_hf_tensors(
     param_dtype=None,
     origin: str = "checkpoint",
     allowed_extra: Callable[[str, np.ndarray | None], bool] | None = None,
+    shardings: nnx.State | None = None,
 ) -> CausalLM:
     """Check every HF-named tensor of ``source`` (present, right shape, nothing unexpected) and build the model.
 
-    ``allowed_extra(name)`` may accept tensors the model does not use (e.g. an all-zero o_proj bias).
+    ``allowed_extra(name)`` may accept tensors the model does not use (e.g. an all-zero o_proj bias). With
+    ``shardings`` (an NNX state of NamedShardings, e.g. ``distributed.state_shardings``) each parameter is created
+    sharded and this process reads only its devices' slices (whole tensors from sources without ``get_slice``).
     """
     present = set(source.names())
     expected = {name for _, _, name in _expected_hf_names(cfg)}
@@ -232,6 +327,34 @@ def model_from_hf_tensors(
         if not np.issubdtype(x.dtype, np.floating) and x.dtype != np.dtype(jnp.bfloat16):
             raise ModelLoadError(f"{source.where(name)}: tensor {name!r} has dtype {x.dtype}, expected a float type")
         return spec.to_ours(x, cfg)
+
+    def fetch_block(spec: _Spec, name: str, index: tuple[slice, ...], ours: tuple[int, ...]) -> np.ndarray:
+        if not hasattr(source, "get_slice"):  # e.g. GGUF: de-quantised whole, then cut
+            return fetch(spec, name)[index]
+        want = spec.hf_shape(cfg)
+        if tuple(source.shape(name)) != want:
+            raise ModelLoadError(
+                f"{source.where(name)}: tensor {name!r} has shape {tuple(source.shape(name))}, expected {want} from "
+                "the config"
+            )
+        hf_index, shape = _hf_index(spec, index, ours)
+        return source.get_slice(name, hf_index).transpose(spec.perm).reshape(shape)
+
+    def read(path, abstract, index):
+        spec = _BY_PATH[path]
+        if not spec.per_layer:
+            return fetch_block(spec, spec.hf_name, index, abstract.shape)
+        layers = range(*index[0].indices(cfg.num_layers))
+        out = None
+        for k, i in enumerate(layers):
+            x = fetch_block(spec, spec.hf_name.format(i=i), index[1:], abstract.shape[1:])
+            if out is None:
+                out = np.empty((len(layers), *x.shape), abstract.dtype)
+            out[k] = x
+        return out
+
+    if shardings is not None:
+        return model_from_shards(cfg, read, shardings, dtype, param_dtype)
 
     def arrays(path, abstract):
         spec = _BY_PATH[path]

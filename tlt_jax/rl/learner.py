@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from tlt_jax.config import Config
 from tlt_jax.distributed import LogicalRules
+from tlt_jax.distributed.multihost import to_host
 from tlt_jax.rewards import RewardFn
 from tlt_jax.rl.advantages import compute_advantages
 from tlt_jax.rl.logprobs import make_logprob_fn
@@ -135,7 +136,10 @@ class GRPOLearner:
         prompts = [list(ex["prompt_ids"]) for ex in examples]
         if progress is not None:
             progress.start_rollout(len(prompts) * n)
-        self._publish()
+        t_reshard = time.perf_counter()
+        self._publish()  # training layout -> rollout layout
+        jax.block_until_ready(self.engine.params)
+        t_reshard = time.perf_counter() - t_reshard
         sampling = SamplingParams(
             temperature=ro.temperature,
             top_k=ro.top_k,
@@ -157,9 +161,9 @@ class GRPOLearner:
         seqs = build_sequences(prompts, res.tokens)
         t2 = time.perf_counter()
         ids, attn = self._put(seqs["input_ids"]), self._put(seqs["attention_mask"])
-        old = np.asarray(self._logprobs(self.state.params, self.rest, ids, attn))
+        old = to_host(self._logprobs(self.state.params, self.rest, ids, attn))
         ref = (
-            np.asarray(self._logprobs(self.ref_params, self.rest, ids, attn))
+            to_host(self._logprobs(self.ref_params, self.rest, ids, attn))
             if self.ref_params is not None
             else np.zeros_like(old)
         )
@@ -181,6 +185,7 @@ class GRPOLearner:
             **_percentiles(lengths),
             "response/stopped_frac": float(np.mean([r == "stop" for rs in res.finish_reason for r in rs])),
             "time/rollout_s": t_rollout,
+            "time/reshard_s": t_reshard,
             "time/tail_s": float(stats.get("tail_seconds", 0.0)),
             "rollout/tail_share": float(stats.get("tail_share", 0.0)),
             "rollout/compile_s": float(stats.get("compile_seconds_this_call", 0.0)),

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tlt_jax.distributed import LogicalRules, shard_module, single_device_mesh
+from tlt_jax.distributed.multihost import to_host
 from tlt_jax.models import CausalLM, rollout_copy
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.params import HiddenCapture, RolloutResult, SamplingParams
@@ -489,8 +490,8 @@ class _Run:
         hidden_start = [[0] * n for _ in range(num)] if cap else None
         kept_bytes, dropped = 0, 0
         for tok_ref, lp_ref, hid_ref, rows, slots in self.harvests:
-            tok, lp = np.asarray(tok_ref), np.asarray(lp_ref)
-            hid = None if hid_ref is None else np.asarray(hid_ref)
+            tok, lp = to_host(tok_ref), to_host(lp_ref)  # gathered when the batch spans processes
+            hid = None if hid_ref is None else to_host(hid_ref)
             for row, slot in zip(rows, slots, strict=True):
                 i, j = divmod(int(slot), n)
                 m = int(self.final_n[slot])
