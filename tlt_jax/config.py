@@ -25,6 +25,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DrafterConfig",
     "EvalConfig",
     "MeshConfig",
     "MetricsConfig",
@@ -164,6 +165,7 @@ class RolloutConfig:
     spec_depth: int = 8
     spec_topk: int = 4
     spec_verify_tokens: int = 48
+    num_slices: int = 1  # split the mesh's data axis into this many rollout slices (one engine each; see drafter)
 
     def validate(self, key: str) -> None:
         _require(
@@ -171,14 +173,7 @@ class RolloutConfig:
             f"{key}.speculative",
             f"must be one of {SPECULATIVE}, got {self.speculative!r}",
         )
-        if self.speculative == "eagle":
-            _require(
-                bool(self.drafter_path),
-                f"{key}.drafter_path",
-                "speculative='eagle' needs a drafter directory; write one with "
-                "`python -m tlt_jax.drafter.warmup --model=POLICY --out=DIR`, then set "
-                f"--config.{key}.drafter_path=DIR (or use speculative='ngram', which needs none)",
-            )
+        if self.speculative == "eagle" and self.drafter_path:  # empty: see Config.validate (drafter.online)
             _require(
                 os.path.isdir(self.drafter_path),
                 f"{key}.drafter_path",
@@ -195,6 +190,7 @@ class RolloutConfig:
             f"must be in [2, {top}] (1 + spec_topk + (spec_depth - 1) * spec_topk^2 for spec_depth={self.spec_depth}, "
             f"spec_topk={self.spec_topk}), got {self.spec_verify_tokens}; lower it or raise spec_depth / spec_topk",
         )
+        _require(self.num_slices >= 1, f"{key}.num_slices", f"must be >= 1, got {self.num_slices}")
         _require(self.samples_per_prompt >= 2, f"{key}.samples_per_prompt", "GRPO groups need >= 2 samples")
         _require(self.temperature > 0, f"{key}.temperature", "must be > 0 for training rollouts")
         why = (
@@ -206,6 +202,31 @@ class RolloutConfig:
         _require(self.top_k == 0, f"{key}.top_k", f"must be 0 (off) for RL rollouts, got {self.top_k}: {why}")
         _require(self.top_p == 1.0, f"{key}.top_p", f"must be 1.0 (off) for RL rollouts, got {self.top_p}: {why}")
         _require(self.max_new_tokens >= 1, f"{key}.max_new_tokens", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """TLT's adaptive drafter: with ``online`` the EAGLE drafter of the rollout trains during RL on the policy's
+    hidden states of the current and previous step's responses (a buffer of ``buffer_bytes``), on slices that
+    finished their rollout share early, plus ``steps_without_idle`` steps after the rollout on slice 0 (one slice
+    is never idle). Each drafter step packs ``rows`` x ``row_len`` tokens of the last ``window`` positions of each
+    response. Rollout samples do not change (verification is lossless); only the accept length does."""
+
+    online: bool = False
+    lr: float = 3e-4
+    buffer_bytes: int = 64 * 2**20
+    window: int = 64
+    steps_without_idle: int = 4
+    rows: int = 8
+    row_len: int = 256
+
+    def validate(self, key: str) -> None:
+        _require(self.lr > 0 and not math.isnan(self.lr), f"{key}.lr", f"must be > 0, got {self.lr}")
+        _require(self.buffer_bytes > 0, f"{key}.buffer_bytes", f"must be > 0 bytes, got {self.buffer_bytes}")
+        _require(self.window >= 2, f"{key}.window", f"must be >= 2 positions (one training pair), got {self.window}")
+        _require(self.steps_without_idle >= 0, f"{key}.steps_without_idle", "must be >= 0")
+        _require(self.rows >= 1, f"{key}.rows", f"must be >= 1, got {self.rows}")
+        _require(self.row_len >= 2, f"{key}.row_len", f"must be >= 2, got {self.row_len}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,6 +358,7 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
+    drafter: DrafterConfig = DrafterConfig()
     rl: RLConfig = RLConfig()
     optim: OptimConfig = OptimConfig()
     reward: RewardConfig = RewardConfig()
@@ -357,6 +379,7 @@ class Config:
                 "data.synthetic.target_token",
                 f"must be < model.tiny.vocab_size ({self.model.tiny.vocab_size})",
             )
+        self._validate_drafter()
         mini = self.rl.mini_batch_prompts or self.data.prompts_per_step
         _require(
             self.data.prompts_per_step % mini == 0,
@@ -370,6 +393,26 @@ class Config:
             f"{self.rl.micro_batch_size} must divide the sequences per update "
             f"(mini_batch_prompts x samples_per_prompt = {seqs})",
         )
+
+    def _validate_drafter(self) -> None:
+        """The EAGLE drafter's source: a directory, or (online training only) a fresh one."""
+        r = self.rollout
+        if r.speculative == "eagle" and not r.drafter_path:
+            _require(
+                self.drafter.online,
+                "rollout.drafter_path",
+                "speculative='eagle' needs a drafter directory; write one with "
+                "`python -m tlt_jax.drafter.warmup --model=POLICY --out=DIR`, then set "
+                "--config.rollout.drafter_path=DIR (or set --config.drafter.online=True to start from a fresh drafter "
+                "that trains during RL, or use speculative='ngram', which needs none)",
+            )
+        if self.drafter.online:
+            _require(
+                r.speculative == "eagle",
+                "drafter.online",
+                f"trains the rollout's EAGLE drafter, but rollout.speculative={r.speculative!r}; set "
+                "--config.rollout.speculative=eagle (drafter_path empty = a fresh drafter) or drafter.online=False",
+            )
 
     @property
     def updates_per_step(self) -> int:

@@ -219,10 +219,11 @@ def load_eagle_drafter(cfg, model_config):
     return drafter
 
 
-def build_engine(cfg, model, mesh, data: Data):
+def build_engine(cfg, model, mesh, data: Data, workdir: str | None = None):
     """The rollout engine on the training mesh (colocated). With ``rollout.speculative`` "ngram" or "eagle" (the
-    drafter loaded from ``rollout.drafter_path``, fixed for the run) it decodes speculatively once a wave has at most
-    ``rollout.spec_threshold`` live rows, with the ``rollout.spec_*`` tree shape."""
+    drafter loaded from ``rollout.drafter_path``, fixed for the run unless ``drafter.online``) it decodes
+    speculatively once a wave has at most ``rollout.spec_threshold`` live rows, with the ``rollout.spec_*`` tree
+    shape. With ``rollout.num_slices`` > 1 or ``drafter.online``: a ControlledRollout (see build_controlled)."""
     from tlt_jax.rl.learner import bucket_length
     from tlt_jax.rollout import RolloutEngine, SpecConfig
 
@@ -235,16 +236,30 @@ def build_engine(cfg, model, mesh, data: Data):
         tree = SpecConfig(
             depth=r.spec_depth, topk=r.spec_topk, verify_tokens=r.spec_verify_tokens, threshold=r.spec_threshold
         )
-        drafter = "ngram" if r.speculative == "ngram" else load_eagle_drafter(cfg, model.config)
+        if r.speculative == "ngram":
+            drafter = "ngram"
+        elif r.drafter_path:
+            drafter = load_eagle_drafter(cfg, model.config)
+        else:  # drafter.online (config-checked): a fresh drafter that learns during RL
+            drafter = fresh_eagle_drafter(cfg, model.config)
         spec = dict(drafter=drafter, spec=tree)
-    return RolloutEngine(
-        model,
-        mesh,
-        **spec,
-        max_batch=max(rows, cfg.eval.batch_size),
-        max_len=max_len,
-        tail_threshold=max(1, rows // 4),
-    )
+    kwargs = dict(**spec, max_batch=max(rows, cfg.eval.batch_size), max_len=max_len,
+                  tail_threshold=max(1, rows // 4))
+    if r.num_slices > 1 or cfg.drafter.online:
+        from tlt_jax.controller.online import build_controlled
+
+        return build_controlled(cfg, model, mesh, kwargs, workdir)
+    return RolloutEngine(model, mesh, **kwargs)
+
+
+def fresh_eagle_drafter(cfg, model_config):
+    """A freshly initialised EAGLE drafter of the policy's shape (seeded by train.seed)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tlt_jax.drafter.eagle import EagleDrafter
+
+    return EagleDrafter(model_config, dtype=jnp.dtype(cfg.model.dtype), rngs=nnx.Rngs(cfg.train.seed))
 
 
 # ----- the run ----------------------------------------------------------------------------------------------------
@@ -268,6 +283,7 @@ def run(cfg, workdir: str) -> dict[str, float]:
 
     from tlt_jax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like
     from tlt_jax.config import ConfigError, to_json
+    from tlt_jax.controller.online import OnlineState
     from tlt_jax.data import prompt_dataset
     from tlt_jax.distributed import make_mesh
     from tlt_jax.distributed.multihost import (
@@ -296,7 +312,9 @@ def run(cfg, workdir: str) -> dict[str, float]:
     model, tokenizer = build_model(cfg, mesh)
     data = build_data(cfg, tokenizer, model.config)
     reward_fn = ProcessShardedReward(build_reward(cfg, tokenizer))  # each process scores the prompts it read
-    engine = build_engine(cfg, model, mesh, data)
+    primary = is_primary()  # only process 0 prints and writes; all take part in checkpoints
+    engine = build_engine(cfg, model, mesh, data, workdir=workdir if primary else None)
+    online = OnlineState(engine, mesh, workdir, primary)
     learner = GRPOLearner(cfg, model, engine, reward_fn, mesh=mesh)
     del model
     train_iter = iter(
@@ -316,9 +334,12 @@ def run(cfg, workdir: str) -> dict[str, float]:
         async_save=cfg.checkpoint.async_save,
     )
     try:
-        restored = ckpt.restore(abstract_like(learner.state), data_iter=train_iter)
+        restored = ckpt.restore(
+            abstract_like(learner.state), data_iter=train_iter, abstract_extra=online.abstract_extra()
+        )
     except Exception as e:
         ckpt.close()
+        online.close()
         if hasattr(reward_fn, "close"):
             reward_fn.close()
         if isinstance(e, IncompatibleCheckpointError):
@@ -337,11 +358,11 @@ def run(cfg, workdir: str) -> dict[str, float]:
                 cfg.train.seed,
             )
         learner.load_state(restored.train_state, run_key=restored.rng)
+        online.restore(restored.step, restored.extra)
         start = restored.step
         consecutive = int(restored.controller.get("consecutive_nonfinite", 0))
         log.info("resumed from step %d in %s", start, ckpt.directory)
 
-    primary = is_primary()  # only process 0 prints and writes; all take part in checkpoints
     writer = MetricsWriter(workdir, tensorboard=cfg.metrics.tensorboard, resume_step=start) if primary else NullWriter()
     writer.write_config(config_json)
     table = ConsoleTable(speculative=cfg.rollout.speculative != "off")
@@ -357,7 +378,11 @@ def run(cfg, workdir: str) -> dict[str, float]:
 
     def save(step: int) -> None:
         controller = {"step": step, "consecutive_nonfinite": consecutive, "time": time.time()}
-        ckpt.save(step, learner.state, rng=learner.run_key, data_iter=train_iter, controller=controller)
+        ckpt.save(
+            step, learner.state, rng=learner.run_key, data_iter=train_iter, controller=controller,
+            extra=online.extra(),
+        )
+        online.save(step, cfg.checkpoint.max_to_keep)
 
     final: dict[str, float] = {}
     try:
@@ -367,7 +392,8 @@ def run(cfg, workdir: str) -> dict[str, float]:
             progress.write(f"eval at step 0: accuracy {m['eval/accuracy']:.3f} on {len(data.eval)} held-out prompts")
         for step in range(start + 1, cfg.train.num_steps + 1):
             examples = gather_global_batch(next(train_iter))  # this process's shard -> the global batch
-            metrics = {**learner.step(step, examples, progress), **data.info}
+            online.begin(step)
+            metrics = {**learner.step(step, examples, progress), **online.metrics(), **data.info}
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.num_steps:
                 metrics.update(learner.evaluate(data.eval, **eval_kwargs))
             metrics["time/elapsed_s"] = time.perf_counter() - t_start
@@ -388,6 +414,9 @@ def run(cfg, workdir: str) -> dict[str, float]:
             if ckpt.should_save(step) or step == cfg.train.num_steps:
                 save(step)
         final = learner.evaluate(data.eval, **eval_kwargs)
+        exported = online.export()
+        if exported:
+            progress.write(f"adapted drafter (EAGLE layout): {exported}")
         final["time/total_s"] = time.perf_counter() - t_start
         writer.write(cfg.train.num_steps, final, kind="final")
         progress.write(
@@ -397,6 +426,7 @@ def run(cfg, workdir: str) -> dict[str, float]:
     finally:
         progress.close()
         ckpt.close()
+        online.close()
         writer.close()
         if hasattr(reward_fn, "close"):
             reward_fn.close()

@@ -1,0 +1,223 @@
+"""The rollout as the learner sees it when the mesh is sliced or the drafter trains online (TLT's adaptive drafter).
+
+``ControlledRollout`` has the engine surface the learner uses (``set_params``, ``params``, ``generate``): after
+``begin(step)`` the next ``generate`` is that step's training rollout, run by the Controller (slices, drafter steps
+on idle slices, timeline); any other ``generate`` (evaluation) is a plain sliced rollout with no training. After the
+training rollout the averaged drafter goes to every slice's engine, so the next rollout drafts with it. The drafter's
+train state and the data buffer are saved with the checkpoint and restored exactly on resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from tlt_jax.controller.controller import Controller
+from tlt_jax.controller.scheduler import ControllerConfig
+from tlt_jax.controller.slices import SlicedRollout
+from tlt_jax.drafter.buffer import BufferSample, DrafterBuffer
+from tlt_jax.drafter.spot import SpotTrainer
+from tlt_jax.rollout import RolloutResult, SamplingParams
+
+log = logging.getLogger("tlt_jax")
+
+BUFFER_DIR = "drafter_buffer"
+EXPORT_DIR = "drafter_eagle"
+
+
+class ControlledRollout:
+    """Learner-facing rollout over ``rollout``'s slices, driven by ``controller`` (trainer / buffer optional)."""
+
+    def __init__(self, rollout: SlicedRollout, controller: Controller):
+        self.rollout, self.controller = rollout, controller
+        self.trainer: SpotTrainer | None = controller.trainer
+        self.buffer: DrafterBuffer | None = controller.buffer
+        self._step: int | None = None
+        self.metrics: dict[str, float] = {}
+
+    # ---- the engine surface the learner uses -----------------------------------------------------------------
+
+    @property
+    def params(self):
+        return [e.params for e in self.rollout.engines]
+
+    def set_params(self, model) -> None:
+        self.rollout.set_params(model)
+
+    def begin(self, step: int) -> None:
+        """The next generate call is RL step ``step``'s rollout (controller-driven, drafter training)."""
+        self._step, self.metrics = int(step), {}
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, request_ids=None,
+                 on_chunk=None) -> RolloutResult:
+        if self._step is None:
+            return self.rollout.generate(prompts, params, request_ids=request_ids, on_chunk=on_chunk)
+        step, self._step = self._step, None
+        res, m = self.controller.run_step(step, prompts, params, request_ids=request_ids, on_chunk=on_chunk)
+        if self.buffer is not None:
+            m["drafter/buffer_tokens"] = float(sum(s.ids.size for s in self.buffer.samples))
+            m["drafter/dropped"] = float(self.buffer.dropped)
+        if self.trainer is not None:
+            m.setdefault("drafter/loss", float("nan"))
+            m.setdefault("drafter/top1", float("nan"))
+            self.publish_drafter()
+        self.metrics = m
+        return res
+
+    def publish_drafter(self) -> None:
+        """The trainer's current drafter to every slice's engine (used from the next generate on)."""
+        self.rollout.set_drafter(self.trainer.drafter())
+
+    def close(self) -> None:
+        self.rollout.close()
+
+    # ---- checkpoint state -----------------------------------------------------------------------------------
+
+    def save_buffer(self, workdir: str, step: int, keep: int) -> None:
+        """The buffer's samples and counters at ``step`` to workdir/drafter_buffer/step_N.npz (newest ``keep``)."""
+        if self.buffer is None:
+            return
+        d = os.path.join(workdir, BUFFER_DIR)
+        os.makedirs(d, exist_ok=True)
+        b, samples = self.buffer, list(self.buffer.samples)
+        h = samples[0].hidden.shape[1] if samples else 0
+        np.savez(
+            os.path.join(d, f"step_{step}.tmp.npz"),
+            steps=np.array([s.step for s in samples], np.int64),
+            lengths=np.array([s.ids.size for s in samples], np.int64),
+            ids=np.concatenate([s.ids for s in samples]) if samples else np.zeros(0, np.int32),
+            hidden=np.concatenate([s.hidden for s in samples]) if samples else np.zeros((0, h), np.float32),
+            counters=np.array([-1 if b.step is None else b.step, b.dropped, b.expired, b.skipped], np.int64),
+        )
+        os.replace(os.path.join(d, f"step_{step}.tmp.npz"), os.path.join(d, f"step_{step}.npz"))
+        old = sorted(int(f[5:-4]) for f in os.listdir(d) if f.startswith("step_") and f[5:-4].isdigit())
+        for s in old[:-keep]:
+            os.remove(os.path.join(d, f"step_{s}.npz"))
+
+    def load_buffer(self, workdir: str, step: int) -> bool:
+        """Restore the buffer saved at ``step``; False (buffer left empty) when there is no such file."""
+        path = os.path.join(workdir, BUFFER_DIR, f"step_{step}.npz")
+        if self.buffer is None or not os.path.exists(path):
+            return False
+        with np.load(path) as z:
+            b = self.buffer
+            b.samples.clear()
+            b.nbytes = 0
+            ends = np.cumsum(z["lengths"])
+            for st, lo, hi in zip(z["steps"], ends - z["lengths"], ends, strict=True):
+                sample = BufferSample(int(st), z["ids"][lo:hi], z["hidden"][lo:hi])
+                b.samples.append(sample)
+                b.nbytes += sample.nbytes
+            cur, b.dropped, b.expired, b.skipped = (int(x) for x in z["counters"])
+            b.step = None if cur < 0 else cur
+        return True
+
+
+def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None):
+    """``rollout.num_slices`` engines on disjoint slices of the mesh's data axis, driven by the Controller (which
+    writes workdir/timeline.jsonl); with ``drafter.online`` also the drafter buffer and spot trainer, the engines
+    capturing the last ``drafter.window`` hidden states of every response."""
+    import jax
+
+    from tlt_jax.config import ConfigError
+    from tlt_jax.drafter.train import OptimConfig
+    from tlt_jax.rollout import HiddenCapture
+
+    r, d = cfg.rollout, cfg.drafter
+    if r.num_slices > 1 and jax.process_count() > 1:
+        raise ConfigError(
+            f"config.rollout.num_slices: {r.num_slices} slices in a {jax.process_count()}-process run are not "
+            "supported (drafter dispatch follows local slice timings, which processes would not agree on); use "
+            "rollout.num_slices=1 with several processes"
+        )
+    if mesh.shape["data"] % r.num_slices:
+        raise ConfigError(
+            f"config.rollout.num_slices: {r.num_slices} does not divide the mesh's data axis ({mesh.shape['data']} "
+            "devices); pick a divisor or change mesh.data"
+        )
+    if d.online:
+        engine_kwargs = dict(engine_kwargs, capture=HiddenCapture(window=d.window, max_bytes=d.buffer_bytes))
+    try:
+        rollout = SlicedRollout(model, mesh, r.num_slices, **engine_kwargs)
+    except ValueError as e:
+        raise ConfigError(f"config.rollout.num_slices: {e}") from e
+    ccfg = ControllerConfig(train_drafter=d.online, steps_without_idle=d.steps_without_idle, row_len=d.row_len,
+                            rows=d.rows)
+    trainer = buffer = None
+    if d.online:
+        trainer = SpotTrainer(engine_kwargs["drafter"], rollout.meshes, rollout.policy,
+                              optim=OptimConfig(learning_rate=d.lr), seed=cfg.train.seed)
+        need = max(trainer.batch_multiple)
+        if d.rows % need:
+            rollout.close()
+            raise ConfigError(
+                f"config.drafter.rows: {d.rows} does not split over a slice's {need} batch-parallel devices; set "
+                f"--config.drafter.rows to a multiple of {need}"
+            )
+        buffer = DrafterBuffer(d.buffer_bytes, keep_steps=2)
+    return ControlledRollout(rollout, Controller(rollout, trainer=trainer, buffer=buffer, cfg=ccfg, workdir=workdir))
+
+
+class OnlineState:
+    """The main loop's view of a ControlledRollout (sliced rollout / online drafter); inert for a plain engine."""
+
+    def __init__(self, engine, mesh, workdir: str, primary: bool):
+        from tlt_jax.controller.online import ControlledRollout
+
+        self.ctl = engine if isinstance(engine, ControlledRollout) else None
+        self.trainer = None if self.ctl is None else self.ctl.trainer
+        self.mesh, self.workdir, self.primary = mesh, workdir, primary
+
+    def begin(self, step: int) -> None:
+        if self.ctl is not None:
+            self.ctl.begin(step)
+
+    def metrics(self) -> dict[str, float]:
+        return {} if self.ctl is None else dict(self.ctl.metrics)
+
+    def extra(self) -> dict | None:
+        """Checkpoint items: the drafter's trainable params + optimizer state, replicated over the mesh."""
+        if self.trainer is None:
+            return None
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return {"drafter": jax.device_put(self.trainer.state_tree(), NamedSharding(self.mesh, PartitionSpec()))}
+
+    def abstract_extra(self) -> dict | None:
+        from tlt_jax.checkpoint import abstract_like
+
+        extra = self.extra()
+        return None if extra is None else {k: abstract_like(v) for k, v in extra.items()}
+
+    def save(self, step: int, keep: int) -> None:
+        if self.ctl is not None and self.primary:
+            self.ctl.save_buffer(self.workdir, step, keep)
+
+    def restore(self, step: int, extra: dict) -> None:
+        """The drafter state and data buffer of the checkpoint at ``step``; the engines draft with that drafter."""
+        if self.trainer is None:
+            return
+        import jax
+
+        self.trainer.load_state_tree(jax.tree.map(lambda x: np.asarray(jax.device_get(x)), extra["drafter"]))
+        self.ctl.publish_drafter()
+        if not self.ctl.load_buffer(self.workdir, step):
+            log.warning("no drafter buffer saved at step %d: drafter training restarts from an empty buffer", step)
+
+    def export(self) -> str | None:
+        """End of run: the adapted drafter in the EAGLE layout under workdir/drafter_eagle (process 0)."""
+        if self.trainer is None or not self.primary:
+            return None
+        from tlt_jax.controller.online import EXPORT_DIR
+
+        path = os.path.join(self.workdir, EXPORT_DIR)
+        self.trainer.export(path)
+        return path
+
+    def close(self) -> None:
+        if self.ctl is not None:
+            self.ctl.close()
