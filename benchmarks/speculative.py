@@ -37,7 +37,7 @@ from absl import app, flags
 from tlt_jax.drafter.export import load_drafter
 from tlt_jax.drafter.warmup import load_policy_and_prompts
 from tlt_jax.rollout import RolloutEngine, SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.spec_steps import SpecConfig
 
 _F = flags.FLAGS
 DEFAULT_DRAFTER = pathlib.Path(__file__).parent / "drafters" / "eagle_smollm2_gsm"

@@ -16,12 +16,12 @@ from tlt_jax.drafter.evaluate import chain_acceptance
 from tlt_jax.drafter.export import export_eagle, import_eagle, load_drafter, save_drafter
 from tlt_jax.drafter.train import (
     DrafterBatch,
-    LossConfig,
-    OptimConfig,
+    DrafterLossConfig,
+    DrafterOptimConfig,
     drafter_loss,
-    init_train_state,
-    make_optimizer,
-    make_train_step,
+    init_drafter_train_state,
+    make_drafter_optimizer,
+    make_drafter_train_step,
     pack_sequences,
     train_drafter,
 )
@@ -90,12 +90,12 @@ def test_packing_layout_and_no_cross_sample_attention(policy):
 def test_loss_decreases_on_fixed_batch(policy):
     drafter = EagleDrafter(CFG, rngs=nnx.Rngs(2))
     batch = pack_sequences(_samples(policy, 8), row_len=32)
-    _, hist = train_drafter(drafter, policy, [batch], 60, optim=OptimConfig(learning_rate=3e-3))
+    _, hist = train_drafter(drafter, policy, [batch], 60, optim=DrafterOptimConfig(learning_rate=3e-3))
     assert hist[-1]["value_loss"] < 0.3 * hist[0]["value_loss"]  # the CE part has the policy's entropy as floor
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.3
     assert hist[-1]["top1"] > hist[0]["top1"]
     # The loss pieces are what they say: SmoothL1 on features and soft CE against the policy's distribution.
-    loss, m = drafter_loss(drafter, policy, jax.tree.map(jnp.asarray, batch), LossConfig())
+    loss, m = drafter_loss(drafter, policy, jax.tree.map(jnp.asarray, batch), DrafterLossConfig())
     assert abs(float(loss) - (float(m.value_loss) + 0.1 * float(m.prob_loss))) < 1e-5
 
 
@@ -108,13 +108,13 @@ def test_frozen_policy_gets_no_gradient(policy):
 
 def test_sharded_train_step_equals_single_device(policy):
     batch = pack_sequences(_samples(policy, 12, seed=3), row_len=16, num_rows=8)
-    opt = make_optimizer(OptimConfig(learning_rate=1e-3))
+    opt = make_drafter_optimizer(DrafterOptimConfig(learning_rate=1e-3))
     key = jax.random.key(0)
     results = []
     for mesh in (None, make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))):
         drafter = EagleDrafter(CFG, rngs=nnx.Rngs(4))
-        graphdef, state = init_train_state(drafter, opt, mesh)
-        step = make_train_step(graphdef, opt, mesh=mesh)
+        graphdef, state = init_drafter_train_state(drafter, opt, mesh)
+        step = make_drafter_train_step(graphdef, opt, mesh=mesh)
         b = jax.tree.map(jnp.asarray, batch)
         pol = policy
         if mesh is not None:
@@ -173,7 +173,7 @@ def warm(policy):
     prompts = [rng.integers(2, 64, size=int(rng.integers(4, 9))).tolist() for _ in range(16)]
     drafter, hist, samples = run_warmup(policy, prompts, max_new_tokens=24, steps=150, batch_size=8, row_len=64,
                                         rows_per_batch=4, temperature=0.0, stop_tokens=(),
-                                        optim=OptimConfig(learning_rate=3e-3), log=lambda *_: None)
+                                        optim=DrafterOptimConfig(learning_rate=3e-3), log=lambda *_: None)
     return prompts, drafter, hist, samples
 
 

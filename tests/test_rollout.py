@@ -369,7 +369,7 @@ def test_bad_inputs_raise_before_compute(engine):
 def test_processed_logprobs_mixed_filters_match_reference_and_skip_is_batch_independent():
     """Rows with filters off get log_softmax(logits / T) whether or not another row in the batch filters (the
     sort-free path and the filtered path agree on them), and filtered rows match the float64 reference."""
-    from tlt_jax.rollout.sampling import processed_logprobs
+    from tlt_jax.sampling import processed_logprobs
 
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)) * 3, jnp.float32)
     temp = jnp.asarray([0.8, 1.0, 1.3, 0.8])

@@ -10,7 +10,7 @@ from flax import nnx
 from scipy.stats import chisquare
 
 from tlt_jax.models import CausalLM, KVCache, tiny_config
-from tlt_jax.rollout.sampling import processed_logprobs
+from tlt_jax.sampling import processed_logprobs
 from tlt_jax.speculative import make_tree, verify_step
 from tlt_jax.speculative.verify import depth_keys
 
