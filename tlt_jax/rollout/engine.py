@@ -2,7 +2,7 @@
 survivors are compacted into the smallest batch bucket that holds them, attention reads only up to a cache-length
 bucket covering the longest live row. Runs on one (sub-)mesh; every compiled step comes from a keyed pool.
 
-Host loop (one device→host read per round trip: done flags + generated counts):
+Host loop (``tlt_jax.rollout.run.GenerateRun``; one device→host read of a ``StepInfo`` per round trip):
 
     prefill+fork (B rows) → [decode chunk (≤K steps) → read info → drop finished rows / compact]* → harvest
 

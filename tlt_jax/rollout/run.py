@@ -49,7 +49,9 @@ class GenerateRun:
         sh = self.e.ctx.replicated() if replicated else self.e.ctx.batch_sharding(x.shape)
         return jax.device_put(x, sh)
 
-    def wave(self, rows: list[tuple[int, int]]) -> None:
+    def prefill(self, rows: list[tuple[int, int]]):
+        """Prompt once / fork n for the wave's (prompt, sample) rows: returns (DecodeState, StepInfo, slots [B] with
+        each row's sample index or -1, prompt length [B] and budget [B] of each row)."""
         e, n = self.e, self.params.n
         order = list(dict.fromkeys(i for i, _ in rows))
         where = {i: k for k, i in enumerate(order)}
@@ -95,8 +97,12 @@ class GenerateRun:
         self.prefills.append(dict(batch=b, prompts=bp, length=p_bucket, seconds=seconds, tokens=tokens))
         self._keep_tokens(info, np.zeros((b,), np.int64), slots)
         plen_row = np.array([len(self.prompts[i]) for i in prompt_of], np.int64)
-        maxnew_row = np.array(init.max_new, np.int64)
-        k = e.chunk_size
+        return state, info, slots, plen_row, np.array(init.max_new, np.int64)
+
+    def wave(self, rows: list[tuple[int, int]]) -> None:
+        e = self.e
+        state, info, slots, plen_row, maxnew_row = self.prefill(rows)
+        b, k = len(slots), e.chunk_size
         wave_t0, spec_on = time.perf_counter(), False
         while True:
             done, ngen = info.done, info.num_generated
