@@ -72,8 +72,8 @@ def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -
     """Milliseconds of one batch-1 step's parts after prefilling ``prompt``, on the RolloutEngine's own compiled steps
     and decode state: a plain decode step, and per tree config the EAGLE draft, the policy's tree verify, the drafter
     extend (the kernels the fused step runs) and the engine's fused verify step (draft → verify → commit → extend).
-    Attention reads ``length`` cache slots. The engine's steps donate their state, so every timed call gets a fresh
-    copy of it: the copy the undonated parts make anyway of the caches they update."""
+    Attention reads ``length`` cache slots. The engine's steps donate their state, so every timed call gets its own
+    copy of it, made outside the clock; the undonated parts also copy the caches they update."""
     import jax.numpy as jnp
 
     from tlt_jax.rollout.pool import StepKey
@@ -91,10 +91,20 @@ def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -
         run = GenerateRun(engine, [prompt], [length - len(prompt)], [0], params, tuple(stops or ()))
         return run.prefill([(0, 0)])[0]
 
-    def step_ms(engine, phase: str, arm: str) -> float:
+    copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
+
+    def step_ms(engine, phase: str, arm: str, reps: int = 15) -> float:
+        """The compiled step as the engine runs it (state donated): each call gets its own copy, made untimed."""
         state = prefilled(engine)
         exe = engine.pool.get(StepKey(phase, 1, length, arm), engine.step_params(), state)
-        return _median_ms(lambda: exe(engine.step_params(), jax.tree.map(jnp.copy, state))[0])
+        jax.block_until_ready(exe(engine.step_params(), copy(state)))
+        times = []
+        for _ in range(reps):
+            fresh = jax.block_until_ready(copy(state))
+            t = time.perf_counter()
+            jax.block_until_ready(exe(engine.step_params(), fresh))
+            times.append(time.perf_counter() - t)
+        return 1000 * float(np.median(times))
 
     plain = RolloutEngine(policy, **kw)
     rows = [dict(part="plain_step", ms=step_ms(plain, "decode", "plain"))]
