@@ -10,9 +10,9 @@ Blocks (see tlt_jax/config.py for every field and its checks):
   model       source tiny | smollm2 | path; dtype; remat; tiny.* (random model shape)
   mesh        data / fsdp / tensor (-1 = the remaining devices)
   data        source synthetic | gsm_symbolic | gsm8k_file; prompts_per_step; sizes, seeds, paths; synthetic.*
-  rollout     samples_per_prompt (GRPO n), temperature, top_k, top_p, max_new_tokens, speculative (off | ngram |
-              eagle), drafter_path (eagle: a tlt_jax.drafter.warmup --out dir), spec_threshold, spec_depth,
-              spec_topk, spec_verify_tokens
+  rollout     samples_per_prompt (GRPO n), temperature, top_k / top_p (off: RL rejects them), max_new_tokens,
+              speculative (off | ngram | eagle), drafter_path (eagle: a tlt_jax.drafter.warmup --out dir),
+              spec_threshold, spec_depth, spec_topk, spec_verify_tokens
   rl          advantage, policy_loss, clip_low/high, loss_agg_mode, kl_coef, kl_kind, mini_batch_prompts, epochs,
               micro_batch_size
   optim       lr, warmup_steps, schedule, final_lr_ratio, weight_decay, b1, b2, eps, max_grad_norm

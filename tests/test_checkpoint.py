@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tlt_jax.checkpoint import Checkpointer, abstract_like
+from tlt_jax.checkpoint import Checkpointer, IncompatibleCheckpointError, UnreadableCheckpointError, abstract_like
 from tlt_jax.config import OptimConfig
 from tlt_jax.data import prompt_dataset
 from tlt_jax.distributed import MeshConfig, init_sharded, make_mesh
@@ -21,12 +21,12 @@ from tlt_jax.rl.train_step import init_train_state, make_optimizer
 EXAMPLES = [{"prompt_ids": [i, i + 1], "ground_truth": str(i)} for i in range(40)]
 
 
-def _state(seed=0, mesh=None):
-    cfg = tiny_config(num_heads=8, num_kv_heads=4)
+def _state(seed=0, mesh=None, optim=OptimConfig(), **model_kw):
+    cfg = tiny_config(**{"num_heads": 8, "num_kv_heads": 4, **model_kw})
     make = lambda: CausalLM(cfg, rngs=nnx.Rngs(seed))
     model = make() if mesh is None else init_sharded(make, mesh)
     _, params, _ = nnx.split(model, nnx.Param, ...)
-    return init_train_state(params, make_optimizer(OptimConfig(), 10))
+    return init_train_state(params, make_optimizer(optim, 10))
 
 
 def _iter():
@@ -139,3 +139,54 @@ def test_missing_item_is_unreadable_too(tmp_path, caplog):
 
 def test_empty_directory_restores_nothing(tmp_path):
     assert _ckpt(tmp_path).restore(abstract_like(_state()), data_iter=_iter()) is None
+
+
+def _snapshot(root: pathlib.Path) -> dict:
+    """Every file and folder under ``root`` with its size, mtime and bytes: equal snapshots = nothing touched."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _two_steps(tmp_path, state):
+    ck = _ckpt(tmp_path)
+    for step in (1, 2):
+        ck.save(step, state, rng=np.zeros(2, np.uint32), data_iter=_iter(), controller={"step": step})
+    ck.close()
+
+
+def test_incompatible_checkpoint_names_the_difference_and_touches_nothing(tmp_path):
+    """Another model shape or another optimizer: an error naming keys and shapes and the fix; no file moves."""
+    _two_steps(tmp_path, _state())
+    before = _snapshot(tmp_path)
+    smaller = _state(hidden_size=32)
+    ck = _ckpt(tmp_path)
+    with pytest.raises(IncompatibleCheckpointError) as e:
+        ck.restore(abstract_like(smaller), data_iter=_iter())
+    msg = str(e.value)
+    assert "step 2" in msg and "params.embed_tokens.value: checkpoint (256, 64) float32, this run (256, 32)" in msg
+    assert "Nothing was changed on disk" in msg and "config.json" in msg and "new --workdir" in msg
+    other_opt = _state(optim=OptimConfig(max_grad_norm=0))  # no clipping: another optimizer state tree
+    with pytest.raises(
+        IncompatibleCheckpointError, match=r"opt_state\.1\.0\.count: only in the checkpoint.*only in this run"
+    ):
+        ck.restore(abstract_like(other_opt), data_iter=_iter())
+    ck.close()
+    assert _snapshot(tmp_path) == before and not (tmp_path / "checkpoints_unreadable").exists()
+
+
+def test_no_readable_step_is_an_error_and_moves_nothing(tmp_path):
+    """Every step corrupt: starting over from step 0 would be silent data loss, so it is an error; nothing moves."""
+    state = _state()
+    _two_steps(tmp_path, state)
+    for step in (1, 2):
+        _corrupt(tmp_path / "checkpoints" / str(step))
+    before = _snapshot(tmp_path)
+    ck = _ckpt(tmp_path)
+    with pytest.raises(
+        UnreadableCheckpointError, match=r"no checkpoint .* is readable \(step 2: .*step 1: .*new --workdir"
+    ):
+        ck.restore(abstract_like(state), data_iter=_iter())
+    ck.close()
+    assert _snapshot(tmp_path) == before and not (tmp_path / "checkpoints_unreadable").exists()

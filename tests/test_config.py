@@ -114,6 +114,8 @@ def test_int_is_accepted_for_float():
         (("rollout", "spec_verify_tokens"), 1, r"config.rollout.spec_verify_tokens: must be in \[2, 117\]"),
         (("rollout", "spec_verify_tokens"), 118, r"config.rollout.spec_verify_tokens: must be in \[2, 117\]"),
         (("mesh", "fsdp"), 0, "config.mesh: invalid mesh shape"),
+        (("rollout", "top_k"), 8, r"config.rollout.top_k: must be 0 \(off\) for RL rollouts, got 8: .*full distrib"),
+        (("rollout", "top_p"), 0.9, r"config.rollout.top_p: must be 1.0 \(off\) for RL rollouts, got 0.9: .*generate"),
     ],
 )
 def test_invalid_values(path, value, expect):
@@ -143,3 +145,45 @@ def test_json_round_trip_and_frozen():
     with pytest.raises(AttributeError):
         cfg.rl.kl_coef = 0.5  # frozen
     assert isinstance(to_config_dict(cfg), ml_collections.ConfigDict)
+
+
+def _tlt_imports(path: pathlib.Path) -> set[str]:
+    """Every tlt_jax module a file imports, at module level or inside functions."""
+    import ast
+
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("tlt_jax")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tlt_jax"):
+            out.add(node.module)
+    return out
+
+
+def test_config_and_rewards_do_not_import_rl_and_names_match_the_registries():
+    """config -> rl and rewards -> {rl, config} never happen (rl imports both: no package cycle); the name lists
+    the config validates against are exactly the rl registries."""
+    import subprocess
+    import sys
+
+    from tlt_jax import config
+    from tlt_jax.rl import ADVANTAGE_FNS, KL_ESTIMATORS, LOSS_AGG_FNS, POLICY_LOSS_FNS
+
+    pkg = CONFIGS.parent / "tlt_jax"
+    assert not {m for m in _tlt_imports(pkg / "config.py") if m.startswith(("tlt_jax.rl", "tlt_jax.rewards"))}
+    for f in (pkg / "rewards").glob("*.py"):
+        assert not {m for m in _tlt_imports(f) if m.startswith(("tlt_jax.rl", "tlt_jax.config"))}, f
+    code = (
+        "import sys; import tlt_jax.rewards; "
+        "assert not [m for m in sys.modules if m.startswith(('tlt_jax.rl', 'tlt_jax.config'))]; "
+        "import tlt_jax.config; assert not [m for m in sys.modules if m.startswith('tlt_jax.rl')]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=CONFIGS.parent)
+    pairs = [
+        (config.ADVANTAGES, ADVANTAGE_FNS),
+        (config.POLICY_LOSSES, POLICY_LOSS_FNS),
+        (config.LOSS_AGG_MODES, LOSS_AGG_FNS),
+        (config.KL_KINDS, KL_ESTIMATORS),
+    ]
+    for names, registry in pairs:
+        assert sorted(names) == sorted(registry)

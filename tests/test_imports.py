@@ -11,8 +11,6 @@ import ast
 import collections
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent / "tlt_jax"
 
 
@@ -48,14 +46,14 @@ def package_of(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def package_cycles(imports: dict[str, set[str]], ignore: set[tuple[str, str]] = frozenset()) -> list[list[str]]:
-    """One cycle per strongly connected set of packages, each hop as 'pkg -> pkg (module imports module)'.
-    ``ignore``: package edges (src, dst) left out of the graph."""
+def package_cycles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """Cycles between packages (at least one through every package on a cycle), each hop as
+    'pkg -> pkg (module imports module)'."""
     witness: dict[tuple[str, str], tuple[str, str]] = {}
     for src, dsts in sorted(imports.items()):
         for dst in sorted(dsts, key=lambda d: (-d.count("."), d)):  # name the submodule, not its package
             a, b = package_of(src), package_of(dst)
-            if a != b and (a, b) not in ignore and b != src.split(".")[0]:
+            if a != b and b != src.split(".")[0]:
                 witness.setdefault((a, b), (src, dst))
     graph = collections.defaultdict(set)
     for a, b in witness:
@@ -91,20 +89,9 @@ def _find_cycle(graph, start) -> list[str] | None:
     return None
 
 
-# Being removed in parallel (tlt_jax/config.py imports tlt_jax.rl for its option names): the lead drops this pair and
-# the xfail below at merge.
-KNOWN = {("tlt_jax.config", "tlt_jax.rl")}
-
-
 def test_no_import_cycles_between_packages():
-    cycles = package_cycles(module_imports(ROOT), ignore=KNOWN)
-    assert not cycles, "import cycles between packages:\n" + "\n\n".join("\n".join(c) for c in cycles)
-
-
-@pytest.mark.xfail(strict=True, reason="config.py <-> rl is being fixed in parallel; the lead removes this at merge")
-def test_config_and_rl_are_acyclic():
     cycles = package_cycles(module_imports(ROOT))
-    assert not cycles, "\n\n".join("\n".join(c) for c in cycles)
+    assert not cycles, "import cycles between packages:\n" + "\n\n".join("\n".join(c) for c in cycles)
 
 
 def test_detector_sees_function_level_and_relative_imports(tmp_path):
@@ -127,4 +114,3 @@ def test_detector_sees_function_level_and_relative_imports(tmp_path):
         "pkg.b -> pkg.c (pkg.b.y imports pkg.c.z)",
         "pkg.c -> pkg.a (pkg.c.w imports pkg.a.x)",
     ]
-    assert package_cycles(module_imports(pkg), ignore={("pkg.c", "pkg.a")}) == []

@@ -235,7 +235,7 @@ def test_config_error_is_raised_before_work(tmp_path):
 
 
 def test_non_default_knobs_end_to_end(tmp_path):
-    """bf16 compute, remat, 2 mini-batches x 2 epochs, RLOO, k1 KL, cosine warm-up, top-k/top-p, periodic eval,
+    """bf16 compute, remat, 2 mini-batches x 2 epochs, RLOO, k1 KL, cosine warm-up, periodic eval,
     synchronous checkpoints, no TensorBoard: the run completes and each knob shows in what it records."""
     cfg = _cfg(
         "tiny.py",
@@ -248,8 +248,6 @@ def test_non_default_knobs_end_to_end(tmp_path):
         "--config.rl.micro_batch_size=8",
         "--config.optim.schedule=cosine",
         "--config.optim.warmup_steps=1",
-        "--config.rollout.top_k=8",
-        "--config.rollout.top_p=0.9",
         "--config.eval.every_steps=1",
         "--config.eval.max_new_tokens=4",
         "--config.eval.at_start=False",
@@ -382,3 +380,40 @@ def test_corrupt_latest_checkpoint_resumes_from_previous(tmp_path, caplog):
     for step in (3, 4):
         _assert_same_metrics(straight[step], again[step], step)
     assert (tmp_path / "checkpoints" / "4").is_dir() and (tmp_path / "checkpoints_unreadable" / "4").is_dir()
+
+
+def _tree_snapshot(root: pathlib.Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.is_file() and p.read_bytes()) for p in root.rglob("*")}
+
+
+def test_resume_keeps_the_run_key_and_refuses_another_model(tmp_path, caplog):
+    """The checkpointed run key seeds the resumed rollouts: resuming with another train.seed warns and gives the
+    uninterrupted run's step. Resuming with another model shape is a ConfigError naming the differing shapes and
+    config keys that leaves the workdir as it was (no checkpoint moved, config.json kept)."""
+    import logging
+    import shutil
+
+    common = (
+        "--config.train.num_steps=2",
+        "--config.checkpoint.every_steps=1",
+        "--config.eval.at_start=False",
+        "--config.data.eval_size=8",
+        "--config.metrics.tensorboard=False",
+    )
+    ref = tmp_path / "ref"
+    run(_cfg("tiny.py", *common), str(ref))
+    before = _tree_snapshot(ref)
+    with pytest.raises(ConfigError) as e:
+        run(_cfg("tiny.py", *common, "--config.model.tiny.hidden_size=32"), str(ref))
+    msg = str(e.value)
+    assert "params.embed_tokens.value: checkpoint (64, 64) float32, this run (64, 32) float32" in msg, msg
+    assert "model.tiny.hidden_size: 64 -> 32" in msg and "new --workdir" in msg, msg
+    assert _tree_snapshot(ref) == before and not (ref / "checkpoints_unreadable").exists()
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ref / "checkpoints" / "1", resumed / "checkpoints" / "1")
+    with caplog.at_level(logging.WARNING):
+        run(_cfg("tiny.py", *common, "--config.train.seed=7"), str(resumed))
+    assert any("train.seed=7 is not the seed this run started with" in r.getMessage() for r in caplog.records)
+    assert sorted(_train_rows(resumed)) == [2]
+    _assert_same_metrics(_train_rows(ref)[2], _train_rows(resumed)[2], 2)

@@ -158,3 +158,32 @@ def test_uninterruptible_hang_hits_batch_deadline():
         assert time.monotonic() - t0 < 10
         assert out.scores.tolist() == [0.0, 1.0] and out.num_timeouts == 1
         assert scorer(["#### 3"], ["3"]).scores.tolist() == [1.0]  # a fresh pool replaced the stuck one
+
+
+def test_target_token_reward_scores_fraction_of_max_new_tokens():
+    from tlt_jax.rewards import RewardOutput, TargetTokenReward
+
+    reward = TargetTokenReward(max_new_tokens=4)
+    out = reward([{"ground_truth": "5"}, {"ground_truth": "7"}], [[[5, 5, 5, 5], [5, 1]], [[7, 7, 7, 1], []]])
+    assert isinstance(out, RewardOutput)
+    np.testing.assert_allclose(out.scores, [[1.0, 0.25], [0.75, 0.0]])  # stopping early scores the rest as 0
+    assert out.correct.tolist() == [[True, False], [False, False]]
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        TargetTokenReward(0)
+
+
+def test_gsm8k_reward_decodes_and_scores_in_workers():
+    from tlt_jax.rewards import GSM8KReward
+
+    class Chars:  # token id = a character's code point
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    enc = lambda s: [ord(c) for c in s]
+    reward = GSM8KReward(Chars(), num_workers=1, timeout_s=5.0)
+    try:
+        out = reward([{"ground_truth": "72"}], [[enc("so #### 72"), enc("#### 71")]])
+    finally:
+        reward.close()
+    assert out.scores.tolist() == [[1.0, 0.0]] and out.correct.tolist() == [[True, False]]
+    assert out.info == {"reward/timeouts": 0.0, "reward/errors": 0.0}

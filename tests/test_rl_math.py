@@ -83,8 +83,20 @@ MASK = np.array([[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]], np.float32)  # lengt
     ],
 )
 def test_agg_modes(mode, expected):
-    assert float(agg_loss(LOSS, MASK, mode)) == pytest.approx(expected)
-    assert float(agg_loss(LOSS, np.zeros_like(MASK), mode)) == 0.0  # all padding: zero, not NaN
+    assert float(agg_loss(LOSS, MASK, mode, norm_len=4)) == pytest.approx(expected)
+    assert float(agg_loss(LOSS, np.zeros_like(MASK), mode, norm_len=4)) == 0.0  # all padding: zero, not NaN
+
+
+def test_drgrpo_normaliser_is_the_given_constant_not_the_padded_length():
+    """seq-mean-token-sum-norm divides by norm_len (a constant of the run): padding the batch to a longer bucket
+    leaves it unchanged; without norm_len it is an error naming the fix."""
+    padded_loss = np.concatenate([LOSS, np.full((3, 12), 9.0, np.float32)], axis=1)
+    padded_mask = np.concatenate([MASK, np.zeros((3, 12), np.float32)], axis=1)
+    a = float(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_len=16))
+    b = float(agg_loss(padded_loss, padded_mask, "seq-mean-token-sum-norm", norm_len=16))
+    assert a == b == pytest.approx(20 / 16)
+    with pytest.raises(ValueError, match="needs norm_len >= 1, a constant of the run"):
+        agg_loss(LOSS, MASK, "seq-mean-token-sum-norm")
 
 
 def test_agg_modes_agree_on_equal_lengths_and_reject_unknown():

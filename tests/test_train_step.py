@@ -104,6 +104,33 @@ def test_micro_batch_size_does_not_change_the_update():
             np.testing.assert_allclose(a[k], b[k], atol=1e-6, err_msg=f"{mode} {k}")
 
 
+def _pad_to(batch, t):
+    """The same batch right-padded to length ``t`` (a longer length bucket)."""
+    pad = lambda v: np.pad(v, [(0, 0), (0, t - v.shape[1])]) if np.ndim(v) == 2 else v
+    return {k: pad(v) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum-norm", "token-mean"])
+def test_loss_does_not_depend_on_the_length_bucket(mode):
+    """Dr. GRPO's normaliser is a constant of the run (LossConfig.norm_len = rollout.max_new_tokens), so the same
+    batch padded to a longer bucket gives the same loss and update."""
+    cfg = tiny_config()
+    batch = _batch(cfg, seed=2)
+    results = []
+    for b in (batch, _pad_to(batch, 2 * T)):
+        graphdef, params, rest = nnx.split(_model(cfg), nnx.Param, ...)
+        tx = make_optimizer(OptimConfig(lr=1e-2, eps=1e-3), 10)
+        state = init_train_state(params, tx)
+        loss_cfg = LossConfig(4, agg_mode=mode, norm_len=T, kl_coef=0.01)
+        step = make_train_step(graphdef, tx, loss_cfg, state)
+        state, m = step(state, rest, {k: jnp.asarray(v) for k, v in b.items()})
+        results.append((_flat(state), float(m["loss"])))
+    (a, la), (b, lb) = results
+    assert la != 0.0 and abs(la - lb) < 1e-6, (mode, la, lb)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=1e-6, err_msg=f"{mode} {k}")
+
+
 def test_nonfinite_loss_skips_update_and_counts():
     cfg = tiny_config()
     batch = dict(_batch(cfg), loss_scale=np.float32(np.nan))

@@ -19,8 +19,6 @@ from typing import Any
 import ml_collections
 
 from tlt_jax.distributed.mesh import MeshConfig
-from tlt_jax.rl.advantages import ADVANTAGE_FNS
-from tlt_jax.rl.losses import KL_ESTIMATORS, LOSS_AGG_FNS, POLICY_LOSS_FNS
 
 __all__ = [
     "CheckpointConfig",
@@ -48,6 +46,12 @@ DATA_SOURCES = ("synthetic", "gsm_symbolic", "gsm8k_file")
 SCHEDULES = ("constant", "cosine", "linear")
 DTYPES = ("float32", "bfloat16")
 SPECULATIVE = ("off", "ngram", "eagle")
+# Names the RL blocks accept. The config owns these lists (it imports nothing from tlt_jax.rl, which imports the
+# config: no package cycle); tlt_jax.rl's registries must hold exactly these names (tests/test_config.py checks).
+ADVANTAGES = ("drgrpo", "grpo", "rloo")
+POLICY_LOSSES = ("ppo_clip",)
+LOSS_AGG_MODES = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean")
+KL_KINDS = ("abs", "k1", "k2", "k3", "kl", "low_var_kl", "mse")
 
 
 class ConfigError(ValueError):
@@ -142,8 +146,11 @@ class RolloutConfig:
 
     samples_per_prompt: int = 4
     temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
+    # Truncated sampling is rejected in RL (kept as fields so a setting gets that explanation, not "unknown key"):
+    # the old / reference / current log-probs of the loss are those of the full distribution at ``temperature``;
+    # sampling from a top-k / top-p truncation of it would make the PPO ratio and the KL refer to another policy.
+    top_k: int = 0  # must stay 0 (off)
+    top_p: float = 1.0  # must stay 1.0 (off)
     max_new_tokens: int = 16
     # Lossless tree speculative decoding in the rollout tail: "off", "ngram" (model-free drafter over the prompt, the
     # row's output and its GRPO siblings) or "eagle" (the trained EAGLE drafter in drafter_path, written by
@@ -190,8 +197,14 @@ class RolloutConfig:
         )
         _require(self.samples_per_prompt >= 2, f"{key}.samples_per_prompt", "GRPO groups need >= 2 samples")
         _require(self.temperature > 0, f"{key}.temperature", "must be > 0 for training rollouts")
-        _require(self.top_k >= 0, f"{key}.top_k", "must be >= 0 (0 = off)")
-        _require(0 < self.top_p <= 1, f"{key}.top_p", "must be in (0, 1]")
+        why = (
+            "GRPO's old, reference and current log-probs are computed on the full distribution at "
+            "rollout.temperature, so rollouts must sample from it too (a truncated sampler would make the PPO ratio "
+            "and the KL refer to another policy); remove the override (top-k / top-p sampling is available in "
+            "`python -m tlt_jax.generate`)"
+        )
+        _require(self.top_k == 0, f"{key}.top_k", f"must be 0 (off) for RL rollouts, got {self.top_k}: {why}")
+        _require(self.top_p == 1.0, f"{key}.top_p", f"must be 1.0 (off) for RL rollouts, got {self.top_p}: {why}")
         _require(self.max_new_tokens >= 1, f"{key}.max_new_tokens", "must be >= 1")
 
 
@@ -212,13 +225,13 @@ class RLConfig:
 
     def validate(self, key: str) -> None:
         for name, reg in (
-            ("advantage", ADVANTAGE_FNS),
-            ("policy_loss", POLICY_LOSS_FNS),
-            ("loss_agg_mode", LOSS_AGG_FNS),
-            ("kl_kind", KL_ESTIMATORS),
+            ("advantage", ADVANTAGES),
+            ("policy_loss", POLICY_LOSSES),
+            ("loss_agg_mode", LOSS_AGG_MODES),
+            ("kl_kind", KL_KINDS),
         ):
             val = getattr(self, name)
-            _require(val in reg, f"{key}.{name}", f"unknown {val!r}; choose from {sorted(reg)}")
+            _require(val in reg, f"{key}.{name}", f"unknown {val!r}; choose from {list(reg)}")
         _require(0 <= self.clip_low < 1, f"{key}.clip_low", "must be in [0, 1)")
         _require(self.clip_high >= 0, f"{key}.clip_high", "must be >= 0")
         _require(self.kl_coef >= 0, f"{key}.kl_coef", "must be >= 0")

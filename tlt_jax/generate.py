@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 
 from tlt_jax.drafter import load_drafter
 from tlt_jax.models import DEFAULT_MODEL, CausalLM, ModelLoadError, load_model_and_tokenizer
@@ -28,12 +28,12 @@ flags.DEFINE_string("tokenizer", None, "Tokenizer path if not the model's own.")
 flags.DEFINE_string("prompt", "What is 12 plus 30?", "Prompt text.")
 flags.DEFINE_bool("chat", True, "Wrap the prompt in the model's ChatML chat template.")
 flags.DEFINE_string("system", None, "System message (chat mode); default: the template's own default.")
-flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per sample.")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
+flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per sample.", lower_bound=1)
+flags.DEFINE_float("temperature", 0.0, "0 = greedy.", lower_bound=0.0)
+flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).", lower_bound=0)
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_integer("num_samples", 1, "Samples of the same prompt (one prefill, forked).")
+flags.DEFINE_integer("num_samples", 1, "Samples of the same prompt (one prefill, forked).", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and parameter dtype.")
 flags.DEFINE_string("drafter", None, "Speculative decoding: a saved EAGLE drafter directory, or 'ngram'.")
 flags.DEFINE_integer("spec_depth", _SPEC.depth, "Draft tree depth.")
@@ -187,4 +187,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from tlt_jax import cli
+
+    cli.run(main)

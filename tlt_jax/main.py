@@ -166,7 +166,7 @@ def build_data(cfg, tokenizer, model_config) -> Data:
 
 
 def build_reward(cfg, tokenizer):
-    from tlt_jax.rl.learner import GSM8KReward, TargetTokenReward
+    from tlt_jax.rewards import GSM8KReward, TargetTokenReward
 
     if cfg.data.source == "synthetic":
         return TargetTokenReward(cfg.rollout.max_new_tokens)
@@ -261,8 +261,8 @@ def run(cfg, workdir: str) -> dict[str, float]:
     import jax
     import numpy as np
 
-    from tlt_jax.checkpoint import Checkpointer, abstract_like
-    from tlt_jax.config import to_json
+    from tlt_jax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like
+    from tlt_jax.config import ConfigError, to_json
     from tlt_jax.data import prompt_dataset
     from tlt_jax.distributed import make_mesh
     from tlt_jax.metrics import ConsoleTable, MetricsWriter, Progress
@@ -273,8 +273,10 @@ def run(cfg, workdir: str) -> dict[str, float]:
     os.makedirs(workdir, exist_ok=True)
     config_json = to_json(cfg)
     old_config = os.path.join(workdir, "config.json")
+    diff = []
     if os.path.exists(old_config):
-        diff = _config_diff(json.load(open(old_config)), json.loads(config_json))
+        with open(old_config) as f:
+            diff = _config_diff(json.load(f), json.loads(config_json))
         if diff:
             log.warning("workdir %s was run with a different config: %s", workdir, "; ".join(diff))
 
@@ -295,23 +297,36 @@ def run(cfg, workdir: str) -> dict[str, float]:
             shard_count=1,
         )
     )
-    base_key = jax.random.key_data(jax.random.key(cfg.train.seed))
-
     ckpt = Checkpointer(
         os.path.join(workdir, "checkpoints"),
         every_steps=cfg.checkpoint.every_steps,
         max_to_keep=cfg.checkpoint.max_to_keep,
         async_save=cfg.checkpoint.async_save,
     )
-    restored = ckpt.restore(abstract_like(learner.state), data_iter=train_iter)
+    try:
+        restored = ckpt.restore(abstract_like(learner.state), data_iter=train_iter)
+    except Exception as e:
+        ckpt.close()
+        if hasattr(reward_fn, "close"):
+            reward_fn.close()
+        if isinstance(e, IncompatibleCheckpointError):
+            changed = f" This config differs from {old_config} in: {'; '.join(diff)}." if diff else ""
+            raise ConfigError(f"{e}{changed}") from e
+        raise
     start, consecutive = 0, 0
     if restored is not None:
-        learner.load_state(restored.train_state)
+        if not np.array_equal(restored.rng, learner.run_key):
+            log.warning(
+                "train.seed=%d is not the seed this run started with (the checkpoint's run key %s): the resumed run "
+                "keeps the checkpoint's key, so its steps are those of the uninterrupted run; to train with seed %d, "
+                "start it in a new --workdir",
+                cfg.train.seed,
+                restored.rng.tolist(),
+                cfg.train.seed,
+            )
+        learner.load_state(restored.train_state, run_key=restored.rng)
         start = restored.step
         consecutive = int(restored.controller.get("consecutive_nonfinite", 0))
-        if not np.array_equal(restored.rng, np.asarray(base_key)):
-            log.warning("checkpoint RNG differs from train.seed=%d; continuing with the checkpoint's", cfg.train.seed)
-        base_key = restored.rng
         log.info("resumed from step %d in %s", start, ckpt.directory)
 
     writer = MetricsWriter(workdir, tensorboard=cfg.metrics.tensorboard, resume_step=start)
@@ -327,7 +342,7 @@ def run(cfg, workdir: str) -> dict[str, float]:
 
     def save(step: int) -> None:
         controller = {"step": step, "consecutive_nonfinite": consecutive, "time": time.time()}
-        ckpt.save(step, learner.state, rng=base_key, data_iter=train_iter, controller=controller)
+        ckpt.save(step, learner.state, rng=learner.run_key, data_iter=train_iter, controller=controller)
 
     final: dict[str, float] = {}
     try:
@@ -378,16 +393,17 @@ def _default_workdir(name: str) -> str:
 
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag (see --helpfull)")
     from absl import logging as absl_logging
 
+    from tlt_jax.checkpoint import UnreadableCheckpointError
     from tlt_jax.config import ConfigError, from_config_dict
     from tlt_jax.models import ModelLoadError
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax / grain log every save at INFO
     log.setLevel(logging.INFO)
     if FLAGS.config is None:
-        raise app.UsageError("--config=configs/<name>.py is required")
+        raise app.UsageError("--config=configs/<name>.py is required (e.g. --config=configs/tiny.py)")
     try:
         cfg = from_config_dict(FLAGS.config)
     except ConfigError as e:
@@ -397,7 +413,7 @@ def main(argv: Sequence[str]) -> None:
     workdir = FLAGS.workdir or _default_workdir(cfg.name)
     try:
         run(cfg, workdir)
-    except (FileNotFoundError, ModelLoadError, ConfigError) as e:
+    except (FileNotFoundError, ModelLoadError, ConfigError, UnreadableCheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     except NonFiniteError as e:
@@ -406,5 +422,7 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    from tlt_jax import cli
+
     define_flags()
-    app.run(main)
+    cli.run(main)

@@ -1,5 +1,19 @@
 """Orbax checkpoints of a run: policy + optimizer, drafter (when present), data iterator, controller state, RNG."""
 
-from tlt_jax.checkpoint.manager import Checkpointer, Restored, abstract_like
+from tlt_jax.checkpoint.manager import (
+    Checkpointer,
+    IncompatibleCheckpointError,
+    Restored,
+    UnreadableCheckpointError,
+    abstract_like,
+    tree_differences,
+)
 
-__all__ = ["Checkpointer", "Restored", "abstract_like"]
+__all__ = [
+    "Checkpointer",
+    "IncompatibleCheckpointError",
+    "Restored",
+    "UnreadableCheckpointError",
+    "abstract_like",
+    "tree_differences",
+]

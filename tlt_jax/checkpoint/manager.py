@@ -1,10 +1,17 @@
 """Run checkpoints: one orbax Composite per saved step, written asynchronously and published atomically.
 
-Items: ``train_state`` (policy params, optimizer state, update counters), ``rng`` (the run's key data), ``data``
-(the grain iterator, through grain's orbax handler), ``controller`` (JSON: the host loop's counters), and any
-``extra`` pytrees (e.g. ``drafter`` = drafter params + optimizer state) when present. Orbax writes into a temporary
-directory and renames it on success, so a killed process never leaves a half-written step behind; a step that is
-listed but unreadable (a corrupted file) is skipped with a warning and the previous one is restored.
+Items: ``train_state`` (policy params, optimizer state, update counters), ``rng`` (the run's key data: it seeds the
+rest of a resumed run), ``data`` (the grain iterator, through grain's orbax handler), ``controller`` (JSON: the host
+loop's counters), and any ``extra`` pytrees (e.g. ``drafter`` = drafter params + optimizer state) when present.
+Orbax writes into a temporary directory and renames it on success, so a killed process never leaves a half-written
+step behind.
+
+Restore tells an incompatible checkpoint from a corrupt one. Before reading arrays it compares the saved tree
+metadata (keys, shapes, dtypes) with the restore target: a difference means another model / optimizer wrote it, and
+:class:`IncompatibleCheckpointError` names the differing keys and touches nothing. A step whose metadata matches but
+which cannot be read (damaged files) is corrupt: the newest readable step is restored and the newer corrupt ones are
+moved to ``<dir>_unreadable`` (kept, so the step can be written again). If no step is readable nothing is moved and
+:class:`UnreadableCheckpointError` is raised: silently starting over from step 0 is never safe.
 """
 
 from __future__ import annotations
@@ -19,10 +26,65 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
-__all__ = ["Checkpointer", "Restored", "abstract_like"]
+__all__ = [
+    "Checkpointer",
+    "IncompatibleCheckpointError",
+    "Restored",
+    "UnreadableCheckpointError",
+    "abstract_like",
+    "tree_differences",
+]
 
 log = logging.getLogger(__name__)
+
+
+class IncompatibleCheckpointError(ValueError):
+    """The checkpoint was written for another model or optimizer (keys, shapes or dtypes differ)."""
+
+
+class UnreadableCheckpointError(RuntimeError):
+    """Every saved step is unreadable; nothing was moved or deleted."""
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{"params.embed_tokens.value": (shape, dtype)}`` for every array leaf (orbax's own naming)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(_key_name(k) for k in path): (tuple(x.shape), str(np.dtype(x.dtype))) for path, x in leaves}
+
+
+def tree_differences(saved: Any, target: Any) -> list[str]:
+    """Why ``saved`` (orbax tree metadata) cannot be restored into ``target`` (arrays or ShapeDtypeStructs): one
+    line per missing / unexpected key and per shape or dtype mismatch (parameters first); empty when they match."""
+    a, b = _leaf_specs(saved), _leaf_specs(target)
+    order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params."), k))
+    return (
+        [
+            f"{k}: checkpoint {a[k][0]} {a[k][1]}, this run {b[k][0]} {b[k][1]}"
+            for k in order(a.keys() & b.keys())
+            if a[k] != b[k]
+        ]
+        + [f"{k}: only in the checkpoint" for k in order(a.keys() - b.keys())]
+        + [f"{k}: only in this run's state" for k in order(b.keys() - a.keys())]
+    )
+
+
+def _summary(diff: list[str], per_kind: int = 3) -> str:
+    """The first few differences of each kind (mismatch, only saved, only here) and how many more there are."""
+    kinds: dict[str, list[str]] = {}
+    for d in diff:
+        kinds.setdefault(d.rsplit(": ", 1)[1] if ": only in" in d else "mismatch", []).append(d)
+    shown = [d for group in kinds.values() for d in group[:per_kind]]
+    more = f" (and {len(diff) - len(shown)} more)" if len(diff) > len(shown) else ""
+    return "; ".join(shown) + more
 
 
 def abstract_like(tree: Any) -> Any:
@@ -86,12 +148,33 @@ class Checkpointer:
             items[f"extra_{name}"] = ocp.args.StandardSave(tree)
         return bool(self.manager.save(step, args=ocp.args.Composite(**items), force=True))
 
+    def _check_compatible(self, step: int, name: str, target: Any) -> None:
+        """Raise IncompatibleCheckpointError if item ``name`` of ``step`` has other keys / shapes / dtypes than
+        ``target``; unreadable metadata is left to the restore (it is then corrupt, not incompatible)."""
+        try:
+            saved = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / name)
+            saved = getattr(saved, "tree", saved)
+        except Exception:
+            return
+        diff = tree_differences(saved, target)
+        if diff:
+            raise IncompatibleCheckpointError(
+                f"checkpoint step {step} in {self.directory} does not fit this run: its {name!r} was written for "
+                f"another model or optimizer: {_summary(diff)}. Nothing was changed on disk. Resume with "
+                "the configuration that wrote it (the workdir's config.json), or start this one in a new --workdir."
+            )
+
     def restore(
         self, abstract_state: Any, *, data_iter: Any, abstract_extra: Mapping[str, Any] | None = None
     ) -> Restored | None:
-        """Restore the newest readable step (None if there is none). ``data_iter`` is set to its saved position."""
-        skipped = []
+        """Restore the newest readable step (None if the directory holds none). ``data_iter`` is set to its saved
+        position. Raises IncompatibleCheckpointError (wrong model / optimizer) or UnreadableCheckpointError (no
+        step readable) without touching any file; newer corrupt steps are moved aside once an older one is read."""
+        unreadable: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
+            self._check_compatible(step, "train_state", abstract_state)
+            for name, tree in (abstract_extra or {}).items():
+                self._check_compatible(step, f"extra_{name}", tree)
             items = dict(
                 train_state=ocp.args.StandardRestore(abstract_state),
                 rng=ocp.args.StandardRestore(),
@@ -102,23 +185,33 @@ class Checkpointer:
                 items[f"extra_{name}"] = ocp.args.StandardRestore(tree)
             try:
                 out = self.manager.restore(step, args=ocp.args.Composite(**items))
-            except Exception as e:  # corrupt or partial step: fall back to the previous one
+            except Exception as e:  # corrupt or partial step: try the previous one
+                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 log.warning(
-                    "checkpoint step %d in %s is unreadable (%s: %s); falling back to the previous checkpoint",
+                    "checkpoint step %d in %s is unreadable (%s); falling back to the previous checkpoint",
                     step,
                     self.directory,
-                    type(e).__name__,
-                    str(e).splitlines()[0][:300] if str(e) else "",
+                    reason,
                 )
-                skipped.append(step)
-                self._set_aside(step)
+                unreadable.append((step, reason))
                 continue
+            for bad, _ in unreadable:
+                self._set_aside(bad)
             extra = {name: out[f"extra_{name}"] for name in (abstract_extra or {})}
             return Restored(
-                step, out["train_state"], np.asarray(out["rng"]["key"]), dict(out["controller"]), extra, skipped
+                step,
+                out["train_state"],
+                np.asarray(out["rng"]["key"]),
+                dict(out["controller"]),
+                extra,
+                [bad for bad, _ in unreadable],
             )
-        if skipped:
-            log.warning("no readable checkpoint in %s (unreadable steps: %s); starting fresh", self.directory, skipped)
+        if unreadable:
+            raise UnreadableCheckpointError(
+                f"no checkpoint in {self.directory} is readable ("
+                + "; ".join(f"step {st}: {why}" for st, why in unreadable)
+                + "). Nothing was moved or deleted. Repair or remove them, or start the run in a new --workdir."
+            )
         return None
 
     def _set_aside(self, step: int) -> None:

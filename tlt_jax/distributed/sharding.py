@@ -29,9 +29,16 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class LogicalRules:
-    """Logical axis name → mesh axis (or tuple of mesh axes, or None = replicated). Unknown names are errors."""
+    """Logical axis name → mesh axis (or tuple of mesh axes, or None = replicated). Unknown names are errors.
+
+    A tensor dimension whose size the mesh axes do not divide is an error naming the tensor, unless its logical
+    axis is listed in ``replicate_indivisible`` (then that dimension is replicated). By default only "batch" is:
+    rollout waves and evaluation batches shrink to sizes such as 1, and replicating their rows costs compute, never
+    parameter memory; a parameter silently replicated over a tensor / fsdp axis would be a memory surprise.
+    """
 
     rules: tuple[tuple[str, MeshAxes], ...] = DEFAULT_RULES
+    replicate_indivisible: tuple[str, ...] = ("batch",)
 
     def __post_init__(self):
         names = [n for n, _ in self.rules]
@@ -56,13 +63,14 @@ class LogicalRules:
         for name, _ in self.rules:
             for ax in self.lookup(name):
                 if ax not in mesh.axis_names:
-                    raise ValueError(
-                        f"rule {name!r} -> {ax!r}: mesh has no axis {ax!r} (mesh axes: {mesh.axis_names})"
-                    )
+                    raise ValueError(f"rule {name!r} -> {ax!r}: mesh has no axis {ax!r} (mesh axes: {mesh.axis_names})")
 
-    def spec(self, logical: Sequence[str | None], mesh: Mesh, shape: Sequence[int] | None = None) -> PartitionSpec:
-        """PartitionSpec for one tensor. Two logical axes on one mesh axis is an error; a mesh axis whose size does
-        not divide the dimension is dropped for that tensor (replicated there) with a log line."""
+    def spec(
+        self, logical: Sequence[str | None], mesh: Mesh, shape: Sequence[int] | None = None, *, tensor: str = ""
+    ) -> PartitionSpec:
+        """PartitionSpec for one tensor (``tensor``: its path, for errors). Two logical axes on one mesh axis is an
+        error; so is a dimension the mesh axes do not divide, unless its logical axis is in
+        ``replicate_indivisible`` (then it is replicated, with a log line)."""
         used: dict[str, str] = {}
         out = []
         for i, name in enumerate(logical):
@@ -81,7 +89,17 @@ class LogicalRules:
                 for a in axes:
                     size *= mesh.shape[a]
                 if shape[i] % size:
-                    logging.info("dim %d (%s, size %d) not divisible by %s: replicated", i, name, shape[i], axes)
+                    if name not in self.replicate_indivisible:
+                        what = f"tensor {tensor!r}" if tensor else f"a tensor with logical axes {tuple(logical)}"
+                        raise ValueError(
+                            f"{what} of shape {tuple(shape)}: dimension {i} (logical axis {name!r}, size {shape[i]}) "
+                            f"does not divide over mesh axis {'x'.join(axes)} of size {size}; pick a mesh whose "
+                            f"{'x'.join(axes)} size divides {shape[i]}, or replicate that dimension explicitly with "
+                            f"LogicalRules(replicate_indivisible=(..., {name!r}))"
+                        )
+                    logging.info(
+                        "%s dim %d (%s, size %d) not divisible by %s: replicated", tensor, i, name, shape[i], axes
+                    )
                     axes = ()
             out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return PartitionSpec(*out)
@@ -95,14 +113,14 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: LogicalRules) -> nnx.St
     """NamedSharding for every variable of an (abstract) NNX state, from its ``logical_axes`` metadata."""
     rules.validate(mesh)
 
-    def one(var):
+    def one(path, var):
         meta = var.get_metadata()
         logical = meta.get(LOGICAL_AXES)
-        shape = var.shape
-        spec = PartitionSpec() if logical is None else rules.spec(logical, mesh, shape)
+        name = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        spec = PartitionSpec() if logical is None else rules.spec(logical, mesh, var.shape, tensor=name)
         return var.replace(NamedSharding(mesh, spec))
 
-    return jax.tree.map(one, state, is_leaf=_is_var)
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_var)
 
 
 def init_sharded(make_module, mesh: Mesh, rules: LogicalRules = LogicalRules()):

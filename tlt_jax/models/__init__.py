@@ -6,7 +6,7 @@ from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.loading import check_tokenizer_matches, from_pretrained, load_model_and_tokenizer, load_tokenizer
 from tlt_jax.models.presets import DEFAULT_MODEL, default_model_path
 from tlt_jax.models.tokenizer import Tokenizer
-from tlt_jax.models.transformer import CausalLM, ModelOutput
+from tlt_jax.models.transformer import CausalLM, ModelOutput, rollout_copy
 from tlt_jax.models.weights import ModelLoadError
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "from_pretrained",
     "load_model_and_tokenizer",
     "load_tokenizer",
+    "rollout_copy",
     "save_pretrained",
     "tiny_config",
 ]

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tlt_jax.kernels import prefix_tree_attention
 from tlt_jax.models.config import ModelConfig
 
 LOGICAL_AXES = "logical_axes"
@@ -90,11 +91,16 @@ class Attention(nnx.Module):
         y = jnp.einsum("bte,ehd->bthd", x, w[...].astype(self.dtype))
         return y if b is None else y + b[...].astype(self.dtype)
 
-    def __call__(self, x, cos, sin, new_mask, k_cache=None, v_cache=None, cache_mask=None):
+    def __call__(self, x, cos, sin, new_mask, k_cache=None, v_cache=None, cache_mask=None, cache_len=None):
+        """cache_len [B] given (with a cache): the Pallas tree-attention kernel reads the cache prefix instead."""
         q = apply_rope(self._proj(x, self.q_proj, self.q_bias), cos, sin)
         k = apply_rope(self._proj(x, self.k_proj, self.k_bias), cos, sin)
         v = self._proj(x, self.v_proj, self.v_bias)
-        out = attention(q, k, v, new_mask, k_cache, v_cache, cache_mask)
+        if cache_len is not None and k_cache is not None:
+            interpret = jax.default_backend() == "cpu"  # CPU has no Pallas backend: run the kernel interpreted
+            out = prefix_tree_attention(q, k_cache, v_cache, cache_len, k, v, new_mask, interpret=interpret)
+        else:
+            out = attention(q, k, v, new_mask, k_cache, v_cache, cache_mask)
         return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(self.dtype)), (k, v)
 
 
@@ -124,9 +130,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, dtype=dtype, **kw)
 
-    def __call__(self, x, cos, sin, new_mask, k_cache=None, v_cache=None, cache_mask=None):
+    def __call__(self, x, cos, sin, new_mask, k_cache=None, v_cache=None, cache_mask=None, cache_len=None):
         h = x if self.input_layernorm is None else self.input_layernorm(x)
-        a, kv = self.self_attn(h, cos, sin, new_mask, k_cache, v_cache, cache_mask)
+        a, kv = self.self_attn(h, cos, sin, new_mask, k_cache, v_cache, cache_mask, cache_len)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, kv

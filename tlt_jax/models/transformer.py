@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tlt_jax.kernels import ATTENTION_IMPLS
 from tlt_jax.models.config import ModelConfig, rope_inv_freq
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.layers import LOGICAL_AXES, DecoderLayer, RMSNorm, param, rope_cos_sin
@@ -52,15 +53,23 @@ def stacked_layers(cfg: ModelConfig, n: int, *, rngs: nnx.Rngs, **layer_kwargs) 
     return layers
 
 
-def scan_layers(layers: DecoderLayer, x, cos, sin, new_mask, cache: KVCache | None, remat: bool = False):
-    """Run stacked layers with lax.scan; returns the final activations and the new keys/values of every layer."""
+# Most new tokens per row the Pallas kernel takes (decode and verify trees); longer (prefill-sized) calls use XLA.
+PALLAS_MAX_NEW_TOKENS = 128
+
+
+def scan_layers(layers: DecoderLayer, x, cos, sin, new_mask, cache: KVCache | None, remat: bool = False,
+                attention_impl: str = "xla"):
+    """Run stacked layers with lax.scan; returns the final activations and the new keys/values of every layer.
+    attention_impl "pallas" with a cache and at most PALLAS_MAX_NEW_TOKENS new tokens: the tree-attention kernel."""
     graphdef, state = nnx.split(layers)
-    cache_mask = None if cache is None else cache.attention_mask(x.shape[1])
+    use_kernel = attention_impl == "pallas" and cache is not None and x.shape[1] <= PALLAS_MAX_NEW_TOKENS
+    cache_mask = None if cache is None or use_kernel else cache.attention_mask(x.shape[1])
+    cache_len = cache.lengths if use_kernel else None
 
     def body(h, xs):
         layer_state, kc, vc = xs
         layer = nnx.merge(graphdef, layer_state)
-        return layer(h, cos, sin, new_mask, kc, vc, cache_mask)
+        return layer(h, cos, sin, new_mask, kc, vc, cache_mask, cache_len)
 
     if remat:
         body = jax.checkpoint(body)
@@ -77,6 +86,7 @@ class CausalLM(nnx.Module):
         self.config = cfg
         self.dtype = dtype
         self.remat = False
+        self.attention_impl = "xla"  # or "pallas": tree-attention kernel for cached decode/verify (rollout_copy)
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
         self.layers = stacked_layers(cfg, cfg.num_layers, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
@@ -118,6 +128,8 @@ class CausalLM(nnx.Module):
         the causal mask among new tokens; cache: keys/values the new tokens also attend to (up to each row's length);
         logits_indices [B, K]: compute logits only at these positions.
         """
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"CausalLM.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         b, t = input_ids.shape
         if positions is None:
             base = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
@@ -125,10 +137,37 @@ class CausalLM(nnx.Module):
         new_mask = build_new_token_mask(b, t, attention_mask, segment_ids, tree_mask)
         cos, sin = self.rope(positions)
         x = self.embed(input_ids)
-        x, k_new, v_new = scan_layers(self.layers, x, cos, sin, new_mask, cache, remat=self.remat)
+        x, k_new, v_new = scan_layers(
+            self.layers, x, cos, sin, new_mask, cache, remat=self.remat, attention_impl=self.attention_impl
+        )
         hidden = self.norm(x)
         logits = None
         if return_logits:
             h = hidden if logits_indices is None else jnp.take_along_axis(hidden, logits_indices[..., None], axis=1)
             logits = self.logits_from_hidden(h)
         return ModelOutput(logits, hidden, k_new, v_new)
+
+
+def rollout_copy(model: CausalLM, *, dtype=None, attention_impl: str | None = None) -> CausalLM:
+    """The model as the rollout engine runs it: parameters and compute in ``dtype`` (e.g. bfloat16, while the trainer
+    keeps float32 masters; the KV cache follows) and ``attention_impl``. Returns ``model`` itself when nothing
+    changes; otherwise a new module (the original is untouched)."""
+    if attention_impl is not None and attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
+    if dtype is not None:
+        dtype = jnp.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"rollout dtype must be a floating dtype such as bfloat16 or float32, got {dtype}")
+    if (dtype is None or dtype == model.dtype) and (attention_impl in (None, model.attention_impl)):
+        return model
+    graphdef, state = nnx.split(model)
+    if dtype is not None:
+        cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+        state = jax.tree.map(cast, state)
+    copy = nnx.merge(graphdef, state)
+    for _, module in nnx.iter_graph(copy):
+        if dtype is not None and isinstance(module, nnx.Module) and hasattr(module, "dtype"):
+            module.dtype = dtype
+    if attention_impl is not None:
+        copy.attention_impl = attention_impl
+    return copy

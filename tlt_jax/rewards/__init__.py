@@ -1,6 +1,19 @@
-"""Rule-based math rewards: GSM8K answer extraction and exact-match scoring, run in parallel worker processes."""
+"""Rewards: GSM8K answer extraction and exact-match scoring in parallel worker processes, and the RL loop's reward
+functions. Imports neither tlt_jax.rl nor tlt_jax.config (both depend on this package, never the reverse)."""
 
 from tlt_jax.rewards.math_answer import extract_answer, parse_number, score_gsm8k
 from tlt_jax.rewards.parallel import BatchScores, ParallelScorer, score_batch
+from tlt_jax.rewards.tasks import GSM8KReward, RewardFn, RewardOutput, TargetTokenReward
 
-__all__ = ["BatchScores", "ParallelScorer", "extract_answer", "parse_number", "score_batch", "score_gsm8k"]
+__all__ = [
+    "BatchScores",
+    "GSM8KReward",
+    "ParallelScorer",
+    "RewardFn",
+    "RewardOutput",
+    "TargetTokenReward",
+    "extract_answer",
+    "parse_number",
+    "score_batch",
+    "score_gsm8k",
+]

@@ -8,10 +8,8 @@ three jitted pure functions (rollout steps inside the engine, :mod:`tlt_jax.rl.l
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from tlt_jax.config import Config
 from tlt_jax.distributed import LogicalRules
+from tlt_jax.rewards import RewardFn
 from tlt_jax.rl.advantages import compute_advantages
 from tlt_jax.rl.logprobs import make_logprob_fn
 from tlt_jax.rl.train_step import LossConfig, TrainState, init_train_state, lr_schedule, make_optimizer, make_train_step
@@ -28,69 +27,9 @@ from tlt_jax.rollout import SamplingParams
 
 __all__ = [
     "GRPOLearner",
-    "GSM8KReward",
-    "RewardFn",
-    "RewardOutput",
-    "TargetTokenReward",
     "bucket_length",
     "build_sequences",
 ]
-
-
-@dataclasses.dataclass
-class RewardOutput:
-    """Scores [P, n] (the RL reward), whether each response is correct [P, n], and counters (timeouts...)."""
-
-    scores: np.ndarray
-    correct: np.ndarray
-    info: dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-class RewardFn(Protocol):
-    def __call__(self, examples: Sequence[dict], completions: Sequence[Sequence[Sequence[int]]]) -> RewardOutput: ...
-
-
-class TargetTokenReward:
-    """The tiny task: reward = fraction of the ``max_new_tokens`` positions that hold the example's target token
-    (``ground_truth``); stopping early scores the missing positions as 0. Correct = every position is the target."""
-
-    def __init__(self, max_new_tokens: int):
-        self.max_new_tokens = max_new_tokens
-
-    def __call__(self, examples, completions) -> RewardOutput:
-        scores = np.array(
-            [
-                [sum(int(t) == int(ex["ground_truth"]) for t in c) / self.max_new_tokens for c in comps]
-                for ex, comps in zip(examples, completions, strict=True)
-            ],
-            np.float32,
-        )
-        return RewardOutput(scores, scores >= 1.0 - 1e-6)
-
-    def close(self) -> None:
-        pass
-
-
-class GSM8KReward:
-    """GSM8K exact match of the final number, scored in worker processes with a per-item timeout."""
-
-    def __init__(self, tokenizer, num_workers: int = 2, timeout_s: float = 5.0):
-        from tlt_jax.rewards import ParallelScorer, score_gsm8k
-
-        self.tokenizer = tokenizer
-        self.scorer = ParallelScorer(score_gsm8k, num_workers=num_workers, timeout_s=timeout_s)
-
-    def __call__(self, examples, completions) -> RewardOutput:
-        n = len(completions[0])
-        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for comps in completions for c in comps]
-        truths = [ex["ground_truth"] for ex in examples for _ in range(n)]
-        out = self.scorer(texts, truths)
-        scores = out.scores.reshape(len(examples), n)
-        info = {"reward/timeouts": float(out.num_timeouts), "reward/errors": float(out.num_errors)}
-        return RewardOutput(scores, scores >= 1.0, info)
-
-    def close(self) -> None:
-        self.scorer.close()
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -140,6 +79,8 @@ class GRPOLearner:
 
     def __init__(self, cfg: Config, model, engine, reward_fn: RewardFn, *, mesh: Mesh, rules=LogicalRules()):
         self.cfg, self.engine, self.reward_fn, self.mesh, self.rules = cfg, engine, reward_fn, mesh, rules
+        # The run's key (key data): every rollout seed derives from it. A resumed run takes the checkpoint's.
+        self.run_key = np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed)))
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=jax.tree.map(lambda x: x.sharding, params))
         self.ref_params = copy(params) if cfg.rl.kl_coef > 0 else None
@@ -155,6 +96,7 @@ class GRPOLearner:
             clip_low=rl.clip_low,
             clip_high=rl.clip_high,
             agg_mode=rl.loss_agg_mode,
+            norm_len=cfg.rollout.max_new_tokens,
             kl_coef=rl.kl_coef,
             kl_kind=rl.kl_kind,
         )
@@ -170,7 +112,9 @@ class GRPOLearner:
         return nnx.merge(self.graphdef, self.state.params, self.rest)
 
     def rollout_seed(self, step: int) -> int:
-        return (self.cfg.train.seed * 1_000_003 + step * 7_919) % (2**32)
+        """The sampling seed of step ``step``'s rollouts: a hash of (run key, step), computed on the host."""
+        words = [int(w) for w in np.asarray(self.run_key, np.uint32).ravel()]
+        return int(np.random.SeedSequence([*words, step]).generate_state(1, np.uint32)[0])
 
     def _put(self, x: np.ndarray) -> jax.Array:
         logical = ("batch",) + (None,) * (x.ndim - 1)
@@ -313,6 +257,9 @@ class GRPOLearner:
 
     # ---- checkpointed state -----------------------------------------------------------------------------------
 
-    def load_state(self, state: TrainState) -> None:
-        """Continue from a restored train state (same structure and shardings as ``self.state``)."""
+    def load_state(self, state: TrainState, run_key: np.ndarray | None = None) -> None:
+        """Continue from a restored train state (same structure and shardings as ``self.state``) and, when given,
+        the run key the checkpoint saved (so the resumed steps sample what the uninterrupted run would have)."""
         self.state = state
+        if run_key is not None:
+            self.run_key = np.asarray(run_key)

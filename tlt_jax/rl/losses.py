@@ -49,7 +49,7 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
 # ----- loss aggregation -----------------------------------------------------------------------------------------
 
 
-def _token_mean(loss_mat: jax.Array, mask: jax.Array) -> jax.Array:
+def _token_mean(loss_mat: jax.Array, mask: jax.Array, norm_len: int | None = None) -> jax.Array:
     """Every response token weighs the same: ``sum(loss * mask) / sum(mask)``."""
     return masked_mean(loss_mat, mask)
 
@@ -60,24 +60,30 @@ def _seq_stats(loss_mat: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Arr
     return seq_sum, seq_len, (seq_len > 0).astype(jnp.float32)
 
 
-def _seq_mean_token_sum(loss_mat: jax.Array, mask: jax.Array) -> jax.Array:
+def _seq_mean_token_sum(loss_mat: jax.Array, mask: jax.Array, norm_len: int | None = None) -> jax.Array:
     """Mean over sequences of each sequence's token sum (rows with no response token are padding, not counted)."""
     seq_sum, _, valid = _seq_stats(loss_mat, mask)
     return masked_mean(seq_sum, valid)
 
 
-def _seq_mean_token_mean(loss_mat: jax.Array, mask: jax.Array) -> jax.Array:
+def _seq_mean_token_mean(loss_mat: jax.Array, mask: jax.Array, norm_len: int | None = None) -> jax.Array:
     """Mean over sequences of each sequence's token mean: every sequence weighs the same."""
     seq_sum, seq_len, valid = _seq_stats(loss_mat, mask)
     return masked_mean(_safe_div(seq_sum, seq_len), valid)
 
 
-def _seq_mean_token_sum_norm(loss_mat: jax.Array, mask: jax.Array) -> jax.Array:
-    """Dr. GRPO: ``sum(loss * mask) / T`` with ``T`` the (constant, padded) response length."""
-    return jnp.sum(loss_mat * mask) / loss_mat.shape[-1]
+def _seq_mean_token_sum_norm(loss_mat: jax.Array, mask: jax.Array, norm_len: int | None = None) -> jax.Array:
+    """Dr. GRPO: ``sum(loss * mask) / norm_len`` with ``norm_len`` a constant of the run (the rollout's
+    ``max_new_tokens``), never the padded length of a batch, which changes with the step's length bucket."""
+    if norm_len is None or norm_len < 1:
+        raise ValueError(
+            "loss aggregation 'seq-mean-token-sum-norm' needs norm_len >= 1, a constant of the run (e.g. the "
+            f"rollout's max_new_tokens), got {norm_len!r}"
+        )
+    return jnp.sum(loss_mat * mask) / norm_len
 
 
-LOSS_AGG_FNS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+LOSS_AGG_FNS: dict[str, Callable[[jax.Array, jax.Array, int | None], jax.Array]] = {
     "token-mean": _token_mean,
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-mean": _seq_mean_token_mean,
@@ -85,10 +91,13 @@ LOSS_AGG_FNS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
 }
 
 
-def agg_loss(loss_mat: jax.Array, mask: jax.Array, mode: str = "token-mean") -> jax.Array:
-    """Reduce a ``[B, T]`` per-token loss to a scalar with aggregation ``mode`` (one of :data:`LOSS_AGG_FNS`)."""
+def agg_loss(
+    loss_mat: jax.Array, mask: jax.Array, mode: str = "token-mean", *, norm_len: int | None = None
+) -> jax.Array:
+    """Reduce a ``[B, T]`` per-token loss to a scalar with aggregation ``mode`` (one of :data:`LOSS_AGG_FNS`).
+    ``norm_len`` is Dr. GRPO's constant normaliser (needed by ``seq-mean-token-sum-norm`` only)."""
     fn = _lookup(LOSS_AGG_FNS, mode, "loss aggregation mode")
-    return fn(jnp.asarray(loss_mat, jnp.float32), jnp.asarray(mask, jnp.float32))
+    return fn(jnp.asarray(loss_mat, jnp.float32), jnp.asarray(mask, jnp.float32), norm_len)
 
 
 # ----- KL estimators --------------------------------------------------------------------------------------------
@@ -142,6 +151,7 @@ def ppo_clip_loss(
     clip_high: float = 0.2,
     dual_clip_c: float | None = None,
     agg_mode: str = "token-mean",
+    norm_len: int | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """PPO clipped surrogate with the ratio clipped to ``[1 - clip_low, 1 + clip_high]`` (DAPO clip-higher).
 
@@ -170,7 +180,7 @@ def ppo_clip_loss(
         "clip_frac": masked_mean((clipped > unclipped).astype(jnp.float32), mask),
         "approx_kl": masked_mean(_kl_k3(old_logp, logp), mask),
     }
-    return agg_loss(pg, mask, agg_mode), jax.lax.stop_gradient(metrics)
+    return agg_loss(pg, mask, agg_mode, norm_len=norm_len), jax.lax.stop_gradient(metrics)
 
 
 POLICY_LOSS_FNS: dict[str, Callable[..., tuple[jax.Array, Metrics]]] = {"ppo_clip": ppo_clip_loss}
@@ -188,6 +198,7 @@ def grpo_loss(
     clip_high: float = 0.2,
     dual_clip_c: float | None = None,
     agg_mode: str = "token-mean",
+    norm_len: int | None = None,
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
 ) -> tuple[jax.Array, Metrics]:
@@ -205,13 +216,14 @@ def grpo_loss(
         clip_high=clip_high,
         dual_clip_c=dual_clip_c,
         agg_mode=agg_mode,
+        norm_len=norm_len,
     )
     metrics = {**metrics, "pg_loss": jax.lax.stop_gradient(pg_loss)}
     loss = pg_loss
     if kl_coef > 0.0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp")
-        kl = agg_loss(kl_penalty(logp, ref_logp, kl_kind), mask, agg_mode)
+        kl = agg_loss(kl_penalty(logp, ref_logp, kl_kind), mask, agg_mode, norm_len=norm_len)
         loss = loss + kl_coef * kl
         metrics["kl_loss"] = jax.lax.stop_gradient(kl)
     return loss, metrics

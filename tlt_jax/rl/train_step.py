@@ -48,6 +48,9 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     agg_mode: str = "token-mean"
+    # Dr. GRPO's constant normaliser (seq-mean-token-sum-norm): the rollout's max_new_tokens, so the loss of a batch
+    # does not depend on the length bucket it was padded to. Unused by the other modes.
+    norm_len: int | None = None
     kl_coef: float = 0.0
     kl_kind: str = "low_var_kl"
 
@@ -137,6 +140,7 @@ def _micro_loss(params, rest, graphdef, cfg: LossConfig, micro: dict, weight: ja
         clip_low=cfg.clip_low,
         clip_high=cfg.clip_high,
         agg_mode=cfg.agg_mode,
+        norm_len=cfg.norm_len,
         kl_coef=cfg.kl_coef,
         kl_kind=cfg.kl_kind,
     )

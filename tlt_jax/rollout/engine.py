@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tlt_jax.distributed import LogicalRules, shard_module, single_device_mesh
-from tlt_jax.models import CausalLM
+from tlt_jax.models import CausalLM, rollout_copy
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.params import HiddenCapture, RolloutResult, SamplingParams
 from tlt_jax.rollout.pool import StepKey, StepPool
@@ -52,6 +52,9 @@ class RolloutEngine:
     spec: the tree shape and the switch threshold (default SpecConfig() when a drafter is given); ``spec.threshold``
     may be changed between calls (``engine.spec = dataclasses.replace(engine.spec, threshold=...)``: a host-side
     decision), the tree shape is compiled in.
+    dtype: rollout layout, e.g. jnp.bfloat16: decode with a cast copy of the params (and a KV cache) in that dtype;
+    ``model`` and later ``set_params`` models stay fp32 masters. attention_impl: "xla" (default) or "pallas" (the
+    tree-attention kernel for decode and verify; interpreted on CPU).
     """
 
     def __init__(
@@ -74,7 +77,11 @@ class RolloutEngine:
         rules: LogicalRules = LogicalRules(),
         max_stop_tokens: int = 8,
         compiler_options: dict[str, Any] | None = None,
+        dtype: Any = None,
+        attention_impl: str | None = None,
     ):
+        self.rollout_layout = dict(dtype=dtype, attention_impl=attention_impl)  # rollout layout (issue 19)
+        model = rollout_copy(model, **self.rollout_layout)  # rollout layout (issue 19)
         cfg = model.config
         if max_len is None:
             max_len = min(cfg.max_position_embeddings, 1024)
@@ -126,6 +133,7 @@ class RolloutEngine:
 
     def set_params(self, model: CausalLM) -> None:
         """Publish new policy weights (same shapes): compiled steps stay valid."""
+        model = rollout_copy(model, **self.rollout_layout)  # rollout layout (issue 19)
         graphdef, params = nnx.split(shard_module(model, self.mesh, self.rules))
         if graphdef != self.graphdef:
             raise ValueError("set_params: the new model's structure differs from the engine's model")

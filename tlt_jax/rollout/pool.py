@@ -1,9 +1,16 @@
 """Compiled-step pool: every jitted step is keyed by (phase, batch bucket, length bucket, arm[, extra]), compiled
-once (lazily on first use, or ahead of time from abstract arguments), and kept under a count budget with LRU
-eviction. Counters (compiles, compile seconds, hits, misses, evictions) go into the rollout stats.
+once (lazily on first use, or ahead of time from abstract arguments), and kept under a count budget and an optional
+byte budget with LRU eviction. Counters (compiles, compile seconds, hits, misses, evictions, bytes) go into the
+rollout stats.
 
 The pool does not know what a step computes: a builder registered per (phase, arm) turns a key into a ``jax.jit``
 function, so a speculative arm adds its own builders beside the plain ones.
+
+Bytes of a pooled step: what the executable holds while it sits in the pool, i.e. its generated code (device + host,
+from ``compiled.memory_analysis()``). Arguments and outputs belong to the caller and temporaries are allocated per run,
+so neither counts. Backends that report no code size (XLA:CPU in jax 0.10.2 reports 0) get an estimate: the length
+of the optimised HLO text, which grows with the program and, unlike the serialised executable (7x larger when freshly
+compiled than when loaded from the persistent compilation cache), does not depend on how the executable was obtained.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -43,19 +50,54 @@ def abstract(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+def executable_bytes(exe: Any) -> tuple[int, str]:
+    """(bytes, source) of a compiled executable: generated code from ``memory_analysis()`` ("measured"), or where the
+    backend reports none, the length of its optimised HLO text ("estimate")."""
+    try:
+        stats = exe.memory_analysis()
+    except Exception:  # backends without memory statistics
+        stats = None
+    code = 0
+    if stats is not None:
+        code = int(getattr(stats, "generated_code_size_in_bytes", 0) or 0)
+        code += int(getattr(stats, "host_generated_code_size_in_bytes", 0) or 0)
+    if code > 0:
+        return code, "measured"
+    return len(exe.as_text().encode()), "estimate"
+
+
 class StepPool:
     """LRU pool of compiled executables; ``get(key, *args)`` compiles on a miss from the arguments' shapes.
 
-    compiler_options go to every ``.compile()`` (e.g. {"xla_backend_optimization_level": 0} for fast CPU tests).
+    budget: most executables kept. max_bytes: most bytes kept (None = no byte bound; see the module docstring for
+    what counts). An executable larger than max_bytes on its own is still kept (the rollout needs it) and evicts
+    everything else; ``oversized`` counts those. compiler_options go to every ``.compile()`` (e.g.
+    {"xla_backend_optimization_level": 0} for fast CPU tests). sizer: bytes of an executable, default
+    ``executable_bytes`` (tests pass their own).
     """
 
-    def __init__(self, budget: int = 64, compiler_options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        budget: int = 64,
+        compiler_options: dict[str, Any] | None = None,
+        max_bytes: int | None = None,
+        sizer: Callable[[Any], tuple[int, str]] = executable_bytes,
+    ):
         if budget < 1:
             raise ValueError(f"pool_budget must be >= 1, got {budget}")
+        if max_bytes is not None and (int(max_bytes) != max_bytes or max_bytes < 1):
+            raise ValueError(f"pool max_bytes must be an integer >= 1 or None (no byte bound), got {max_bytes}")
         self.budget = budget
+        self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.compiler_options = dict(compiler_options or {})
+        self._sizer = sizer
         self._builders: dict[tuple[str, str], Builder] = {}
         self._compiled: collections.OrderedDict[StepKey, Any] = collections.OrderedDict()
+        self._bytes: dict[StepKey, int] = {}
+        self.bytes = 0
+        self.peak_bytes = 0
+        self.estimated = 0  # executables whose size is an estimate (the backend reported none)
+        self.oversized = 0
         self.compiles = 0
         self.compile_seconds = 0.0
         self.hits = 0
@@ -78,6 +120,10 @@ class StepPool:
     def keys(self) -> list[StepKey]:
         return list(self._compiled)
 
+    def nbytes(self, key: StepKey) -> int:
+        """Bytes counted for a pooled key."""
+        return self._bytes[key]
+
     def compile(self, key: StepKey, *abstract_args) -> Any:
         """Compile ``key`` ahead of time from abstract arguments (no-op if already pooled)."""
         if key in self._compiled:
@@ -90,11 +136,22 @@ class StepPool:
         exe = builder(key).lower(*abstract(abstract_args)).compile(compiler_options=self.compiler_options or None)
         self.compile_seconds += time.perf_counter() - t0
         self.compiles += 1
+        size, source = self._sizer(exe)
+        self.estimated += source != "measured"
         self._compiled[key] = exe
-        while len(self._compiled) > self.budget:
-            self._compiled.popitem(last=False)
+        self._bytes[key] = int(size)
+        self.bytes += int(size)
+        if self.max_bytes is not None and size > self.max_bytes:
+            self.oversized += 1
+        while len(self._compiled) > 1 and (len(self._compiled) > self.budget or self._over_bytes()):
+            old, _ = self._compiled.popitem(last=False)
+            self.bytes -= self._bytes.pop(old)
             self.evictions += 1
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
         return exe
+
+    def _over_bytes(self) -> bool:
+        return self.max_bytes is not None and self.bytes > self.max_bytes
 
     def get(self, key: StepKey, *args) -> Any:
         """The compiled step for ``key`` (counts a hit, or a miss followed by a compile from ``args``' shapes)."""
@@ -105,7 +162,31 @@ class StepPool:
         self.misses += 1
         return self.compile(key, *args)
 
+    def precompile(self, plan: Iterable[tuple[StepKey, Callable[[], tuple]]]) -> dict[str, Any]:
+        """Compile every (key, abstract-args thunk) of ``plan`` (e.g. each reachable (arm, bucket) × length bucket;
+        the thunk builds the abstract arguments only for keys not yet pooled). Returns keys, compiled (new),
+        bytes (of the plan's keys still pooled), evicted (plan keys pushed out again: the plan does not fit the
+        budgets, so the rollout would recompile; raise pool_budget / max_bytes or reach fewer arms)."""
+        keys, compiled = [], 0
+        for key, make_args in plan:
+            keys.append(key)
+            if key not in self._compiled:
+                self.compile(key, *make_args())
+                compiled += 1
+            else:
+                self._compiled.move_to_end(key)
+        kept = [k for k in dict.fromkeys(keys) if k in self._compiled]
+        return dict(
+            keys=len(set(keys)),
+            compiled=compiled,
+            bytes=sum(self._bytes[k] for k in kept),
+            evicted=len(set(keys)) - len(kept),
+        )
+
     def counters(self) -> dict[str, Any]:
+        """compiles, compile_seconds, hits, misses, evictions (count or byte bound), size / budget (executables),
+        bytes / peak_bytes (held now / most held after bounding), max_bytes, estimated (sizes not reported by the
+        backend), oversized (executables over max_bytes on their own)."""
         return dict(
             compiles=self.compiles,
             compile_seconds=round(self.compile_seconds, 4),
@@ -114,4 +195,9 @@ class StepPool:
             evictions=self.evictions,
             size=len(self._compiled),
             budget=self.budget,
+            bytes=self.bytes,
+            peak_bytes=self.peak_bytes,
+            max_bytes=self.max_bytes,
+            estimated=self.estimated,
+            oversized=self.oversized,
         )

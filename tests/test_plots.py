@@ -1,0 +1,59 @@
+"""Run plots: each PNG is written from the files a run leaves in its workdir, and only when there is data for it."""
+
+import json
+import os
+
+from tlt_jax.metrics.plots import PLOT_FILES, write_plots
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_every_plot_written_from_run_files(tmp_path):
+    wd = str(tmp_path)
+    _jsonl(
+        os.path.join(wd, "metrics.jsonl"),
+        [
+            {
+                "step": s,
+                "kind": "train",
+                "reward/mean": 0.1 * s,
+                "reward/accuracy": 0.05 * s,
+                "rollout/accept_length": 2.0 + 0.1 * s,
+                "response/len_p50": 40,
+                "response/len_p90": 90,
+            }
+            for s in (1, 2, 3)
+        ]
+        + [{"step": 3, "kind": "final", "eval/accuracy": 0.2}],
+    )
+    _jsonl(os.path.join(wd, "lengths.jsonl"), [{"step": s, "lengths": [10, 20, 30 * s, 128]} for s in (1, 2, 3)])
+    _jsonl(
+        os.path.join(wd, "timeline.jsonl"),
+        [
+            {"step": 3, "slice": 0, "state": "busy", "start": 10.0, "end": 12.0},
+            {"step": 3, "slice": 0, "state": "training", "start": 12.0, "end": 15.0},
+            {"step": 3, "slice": 1, "state": "busy", "start": 10.0, "end": 15.0},
+        ],
+    )
+    written = write_plots(wd)
+    assert sorted(os.path.basename(p) for p in written) == sorted(PLOT_FILES.values())
+    for p in written:
+        with open(p, "rb") as f:
+            assert f.read(8) == PNG_MAGIC
+        assert os.path.getsize(p) > 2000
+
+
+def test_only_plots_with_data_and_cut_lines_tolerated(tmp_path):
+    wd = str(tmp_path)
+    with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 1, "reward/mean": 0.5, "response/len_max": 64}) + "\n")
+        f.write('{"step": 2, "reward/me')  # a row cut short by a kill
+    written = write_plots(wd)
+    assert sorted(os.path.basename(p) for p in written) == sorted([PLOT_FILES["reward"], PLOT_FILES["lengths"]])
+    assert not os.path.exists(os.path.join(wd, "plots", PLOT_FILES["timeline"]))

@@ -1,0 +1,163 @@
+"""The compiled-step pool's byte budget: LRU eviction by bytes and by count, counters, sizes of real executables on
+this backend, and precompiling a plan of keys (e.g. every reachable (arm, bucket))."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tlt_jax.rollout.pool import StepKey, StepPool, executable_bytes
+
+
+def scripted(sizes):
+    """A sizer handing out the given byte sizes in compile order."""
+    it = iter(sizes)
+    return lambda exe: (next(it), "measured")
+
+
+def pool_with(**kw) -> StepPool:
+    pool = StepPool(**kw)
+    pool.register("decode", "plain", lambda key: jax.jit(lambda x: x + key.batch))
+    return pool
+
+
+X = jnp.zeros((2,), jnp.int32)
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+K = [StepKey("decode", i, 8) for i in range(6)]
+
+
+def test_byte_bound_evicts_least_recently_used():
+    pool = pool_with(budget=10, max_bytes=100, sizer=scripted([40, 30, 50, 60, 150, 20]))
+    pool.get(K[0], X), pool.get(K[1], X)
+    assert pool.bytes == 70 and pool.evictions == 0
+    pool.get(K[2], X)  # 120 > 100: the oldest (K0) goes
+    assert pool.keys() == [K[1], K[2]] and pool.bytes == 80 and pool.evictions == 1
+    assert int(pool.get(K[1], X)(X)[0]) == 1  # a hit: K2 is now least recently used
+    pool.get(K[3], X)  # 140 > 100: K2 goes, 90 left
+    assert pool.keys() == [K[1], K[3]] and pool.bytes == 90 and pool.evictions == 2
+    pool.get(K[4], X)  # alone over the bound: kept, everything else goes
+    assert pool.keys() == [K[4]] and pool.bytes == 150 and pool.oversized == 1 and pool.evictions == 4
+    pool.get(K[5], X)  # the oversized one is the LRU now
+    assert pool.keys() == [K[5]] and pool.bytes == 20 and pool.evictions == 5
+    c = pool.counters()
+    assert (c["hits"], c["misses"], c["compiles"], c["size"]) == (1, 6, 6, 1)
+    assert (c["bytes"], c["peak_bytes"], c["max_bytes"], c["estimated"]) == (20, 150, 100, 0)
+    assert pool.nbytes(K[5]) == 20
+
+
+def test_count_budget_still_applies_with_a_byte_bound():
+    pool = pool_with(budget=2, max_bytes=1000, sizer=scripted([10, 10, 10]))
+    for k in K[:3]:
+        pool.get(k, X)
+    assert pool.keys() == K[1:3] and pool.bytes == 20 and pool.evictions == 1
+    with pytest.raises(ValueError, match="max_bytes"):
+        StepPool(max_bytes=0)
+
+
+def test_real_executable_sizes_bound_the_pool():
+    def build(key):
+        def f(x, w):
+            for i in range(key.length):
+                x = jnp.tanh(x @ w + i)
+            return x
+
+        return jax.jit(f)
+
+    args = (jax.ShapeDtypeStruct((8, 32), jnp.float32), jax.ShapeDtypeStruct((32, 32), jnp.float32))
+    free = StepPool(budget=10, compiler_options=FAST)
+    free.register("decode", "plain", build)
+    small, big = StepKey("decode", 1, 1), StepKey("decode", 1, 12)
+    free.compile(small, *args), free.compile(big, *args)
+    size, source = executable_bytes(free._compiled[big])
+    assert size == free.nbytes(big) > free.nbytes(small) > 0  # more program, more bytes
+    stats = free._compiled[big].memory_analysis()
+    if source == "measured":
+        assert size == stats.generated_code_size_in_bytes + stats.host_generated_code_size_in_bytes
+    else:  # XLA:CPU reports no code size: estimated from the program text, and counted as such
+        assert stats.generated_code_size_in_bytes == 0 and free.counters()["estimated"] == 2
+        assert size == len(free._compiled[big].as_text())
+    keys = [StepKey("decode", b, 4) for b in (1, 2, 3)]  # three programs of one size
+    sizes = []
+    for k in keys:
+        free.compile(k, *args)
+        sizes.append(free.nbytes(k))
+    bound = sizes[0] + sizes[1] + sizes[2] // 2
+    pool = StepPool(budget=10, max_bytes=bound, compiler_options=FAST)
+    pool.register("decode", "plain", build)
+    for k in keys:
+        pool.compile(k, *args)
+        assert pool.bytes <= bound
+    assert pool.keys() == keys[1:] and pool.evictions == 1
+    assert pool.bytes == sum(pool.nbytes(k) for k in pool.keys())
+
+
+def test_precompile_plan_reports_what_does_not_fit():
+    made = []
+
+    def thunk(k):
+        def make():
+            made.append(k)
+            return (X,)
+
+        return make
+
+    pool = pool_with(budget=10, max_bytes=100, sizer=scripted([30] * 10))
+    pool.get(K[0], X)
+    rep = pool.precompile([(k, thunk(k)) for k in K[:3]])
+    assert made == K[1:3]  # abstract arguments are built only for keys not pooled yet
+    assert rep == dict(keys=3, compiled=2, bytes=90, evicted=0)
+    before = pool.counters()
+    rep = pool.precompile([(k, thunk(k)) for k in K[:4]])  # 4 x 30 > 100: the plan does not fit
+    assert rep == dict(keys=4, compiled=1, bytes=90, evicted=1) and pool.evictions == before["evictions"] + 1
+    assert pool.counters()["hits"] == before["hits"]  # precompiling is neither a hit nor a miss
+
+
+@pytest.mark.slow
+def test_precompile_every_reachable_arm_and_bucket_of_an_engine():
+    """Two n-gram tree shapes and "off" on a tiny engine: the plan compiles each reachable (arm, bucket) once (the
+    extra arm's verify step from the same builders), and a rollout afterwards compiles only its prefill."""
+    from flax import nnx
+
+    from tlt_jax.adaptive import BanditConfig, parse_arms, reachable_plan
+    from tlt_jax.models import CausalLM, tiny_config
+    from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
+    from tlt_jax.rollout.spec_steps import register_spec
+
+    cfg = tiny_config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, eos_token_ids=()
+    )
+    eng = RolloutEngine(
+        CausalLM(cfg, rngs=nnx.Rngs(0)),
+        drafter="ngram",
+        spec=SpecConfig(2, 2, 4, threshold=1),
+        max_batch=1,
+        max_len=32,
+        length_buckets=(32,),
+        batch_buckets=(1,),
+        compiler_options=FAST,
+    )
+    bandit = BanditConfig(parse_arms(["off", "ngram:2x2x4", "ngram:3x1x4"]))
+    for arm in bandit.arms:
+        if arm.speculative and not eng.pool.has_builder("verify", arm.pool_name):
+            register_spec(eng.pool, eng.ctx, arm.spec(), arm.kind)
+
+    def abstract_args(arm, b, length):
+        state = eng.ctx.abstract_state(b)
+        if not arm.speculative:
+            return eng.step_params(), state
+        sh = eng.ctx.batch_sharding((b, arm.verify_tokens))
+        tree = [jax.ShapeDtypeStruct((b, arm.verify_tokens), dt, sharding=sh) for dt in (jnp.int32, jnp.int32, bool)]
+        return eng.step_params(), state, *tree
+
+    plan = reachable_plan(bandit, eng.batch_buckets, eng.length_buckets, 1, abstract_args)
+    assert sorted((k.phase, k.batch, k.length, k.arm) for k, _ in plan) == [
+        ("decode", 1, 32, "plain"),
+        ("verify", 1, 32, "tree/ngram/d2k2n4"),
+        ("verify", 1, 32, "tree/ngram/d3k1n4"),
+    ]
+    rep = eng.pool.precompile(plan)
+    assert rep["compiled"] == rep["keys"] == 3 and rep["evicted"] == 0 and rep["bytes"] > 0
+    assert eng.pool.precompile(plan)["compiled"] == 0
+    res = eng.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
+    assert res.stats["arms"] == {eng.spec_arm: res.stats["verify_steps"]}  # the engine's verify arm, from the plan
+    assert {k.phase for k in eng.pool.keys()} == {"decode", "verify", "prefill"}
+    assert res.stats["pool_this_call"]["compiles"] == 1

@@ -1,0 +1,22 @@
+"""Adaptive speculation: the arms (off / n-gram / EAGLE tree shapes), the BEG-MAB bandit choosing one per batch
+bucket from measured tokens/s, the hysteresis gate that switches speculation on, and multi-process agreement."""
+
+from tlt_jax.adaptive.arms import Arm, max_verify_tokens, parse_arm, parse_arms
+from tlt_jax.adaptive.bandit import Bandit, BanditConfig, make_bandit
+from tlt_jax.adaptive.gate import SpecGate
+from tlt_jax.adaptive.plan import reachable_plan, step_key
+from tlt_jax.adaptive.sync import agreed_seconds
+
+__all__ = [
+    "Arm",
+    "Bandit",
+    "BanditConfig",
+    "SpecGate",
+    "agreed_seconds",
+    "make_bandit",
+    "max_verify_tokens",
+    "parse_arm",
+    "parse_arms",
+    "reachable_plan",
+    "step_key",
+]

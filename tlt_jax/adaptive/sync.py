@@ -1,0 +1,24 @@
+"""Multi-process agreement for the bandit: every process must choose the same arm, or the SPMD steps diverge.
+
+Chosen path: reduce the timings, not broadcast the choice. The tokens a round trip emitted come from the replicated
+info array, so they already agree; only the host clock differs between processes. ``agreed_seconds`` replaces each
+process's measurement by the maximum over processes (an SPMD step takes as long as its slowest process), so every
+process feeds its own bandit (same config, same seed) the same numbers in the same order, and every bandit holds the
+same state: the same choices follow without a second collective, and any process's state is the checkpoint. In one
+process it is the identity and touches no collective.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def agreed_seconds(seconds: float) -> float:
+    """The maximum of ``seconds`` over all JAX processes (as float32, so every process gets the same bits)."""
+    if jax.process_count() == 1:
+        return float(seconds)
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(seconds, np.float32))
+    return float(np.max(np.asarray(gathered)))

@@ -1,0 +1,173 @@
+"""Sliced rollout: the device mesh split into R disjoint slices, one RolloutEngine per slice, all decoding at once.
+
+Each slice holds its own copy of the policy (placed on the slice's sub-mesh by the engine) and decodes a contiguous
+block of the step's prompts; a prompt's whole GRPO group stays on one slice. Every slice has one worker thread (JAX
+releases the GIL while a computation runs, so slices really overlap); the controller also runs drafter steps for a
+slice on that slice's thread, so a slice never does two things at once. Request ids default to the prompts' global
+indices, so the counter-based sampling keys, hence the tokens, do not depend on R.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from tlt_jax.distributed import split_mesh
+from tlt_jax.rollout import RolloutEngine, RolloutResult, SamplingParams
+
+# Stats summed over slices when results are merged (the rest stay per slice in stats["slices"]).
+_SUMMED = ("total_tokens", "hidden_bytes", "hidden_dropped", "tail_seconds", "sd_on_seconds", "sd_off_seconds",
+           "verify_steps", "decode_seconds", "prefill_seconds", "compile_seconds_this_call", "steps")
+
+
+def assign_prompts(num_prompts: int, num_slices: int) -> list[list[int]]:
+    """Deterministic split of prompt indices into ``num_slices`` contiguous blocks whose sizes differ by at most one
+    (earlier slices get the extra prompt). A slice may get no prompt when there are fewer prompts than slices."""
+    if num_slices < 1:
+        raise ValueError(f"num_slices must be >= 1, got {num_slices}")
+    q, r = divmod(int(num_prompts), num_slices)
+    out, start = [], 0
+    for s in range(num_slices):
+        size = q + (s < r)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+@dataclasses.dataclass
+class SliceJob:
+    """One slice's share of a generate call: the prompts' global indices and the arguments its engine gets."""
+
+    slice: int
+    indices: list[int]
+    prompts: list[list[int]]
+    params: SamplingParams
+    request_ids: list[int]
+
+
+class SlicedRollout:
+    """R rollout engines on disjoint slices of ``mesh`` (split along ``axis``, see ``split_mesh``).
+
+    ``engine_kwargs`` go to every RolloutEngine (max_batch, max_len, capture, drafter, spec, ...); a HiddenCapture's
+    max_bytes applies per slice.
+    """
+
+    def __init__(self, model, mesh: Mesh, num_slices: int, *, axis: str = "data", **engine_kwargs: Any):
+        if num_slices < 1:
+            raise ValueError(f"num_slices must be >= 1, got {num_slices}")
+        self.meshes = split_mesh(mesh, num_slices, axis) if num_slices > 1 else [mesh]
+        self.engines = [RolloutEngine(model, m, **engine_kwargs) for m in self.meshes]
+        self.workers = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"slice{s}")
+                        for s in range(num_slices)]
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.engines)
+
+    def policy(self, s: int):
+        """The policy as a module on slice ``s``'s mesh (shares the engine's arrays: no copy)."""
+        e = self.engines[s]
+        return nnx.merge(e.graphdef, e.params)
+
+    def set_params(self, model) -> None:
+        """Publish new policy weights to every slice."""
+        for e in self.engines:
+            e.set_params(model)
+
+    def set_drafter(self, drafter) -> None:
+        """Publish new EAGLE drafter weights to every slice (between generate calls)."""
+        for e in self.engines:
+            e.set_drafter(drafter)
+
+    def jobs(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+             request_ids: Sequence[int] | None = None) -> list[SliceJob]:
+        """Split a call into per-slice jobs (slices with no prompt are left out)."""
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        n = len(prompts)
+        if request_ids is None:
+            request_ids = list(range(n))
+        elif len(request_ids) != n:
+            raise ValueError(f"request_ids has {len(request_ids)} ids for {n} prompts")
+        max_new = params.max_new_for(n)
+        per_prompt = not isinstance(params.max_new_tokens, int | np.integer)
+        out = []
+        for s, idx in enumerate(assign_prompts(n, self.num_slices)):
+            if not idx:
+                continue
+            p = dataclasses.replace(params, max_new_tokens=[max_new[i] for i in idx]) if per_prompt else params
+            out.append(SliceJob(s, idx, [list(prompts[i]) for i in idx], p, [int(request_ids[i]) for i in idx]))
+        return out
+
+    def run_job(self, job: SliceJob, on_chunk=None) -> RolloutResult:
+        """Run one job on its slice's engine (called on the slice's worker thread)."""
+        return self.engines[job.slice].generate(job.prompts, job.params, request_ids=job.request_ids,
+                                                on_chunk=on_chunk)
+
+    def submit(self, job: SliceJob, on_chunk=None) -> concurrent.futures.Future:
+        return self.workers[job.slice].submit(self.run_job, job, on_chunk)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 request_ids: Sequence[int] | None = None,
+                 on_chunk: Callable[[int, int], None] | None = None) -> RolloutResult:
+        """Decode every slice's share at the same time; the result is in the original prompt order. on_chunk:
+        as RolloutEngine.generate, with (finished, active) samples summed over slices."""
+        jobs = self.jobs(prompts, params, request_ids)
+        hooks = progress_hooks(jobs, on_chunk)
+        futures = [self.submit(j, h) for j, h in zip(jobs, hooks, strict=True)]
+        concurrent.futures.wait(futures)
+        return merge_results(len(prompts), jobs, [f.result() for f in futures])
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.shutdown(wait=True)
+
+
+def progress_hooks(jobs: Sequence[SliceJob], on_chunk: Callable[[int, int], None] | None) -> list:
+    """Per-slice on_chunk callbacks that report (finished, active) summed over all slices, one call at a time
+    (they run on the slices' threads)."""
+    if on_chunk is None:
+        return [None] * len(jobs)
+    lock = threading.Lock()
+    state = {j.slice: (0, len(j.indices) * j.params.n) for j in jobs}
+
+    def hook(s, finished, active):
+        with lock:
+            state[s] = (finished, active)
+            on_chunk(sum(f for f, _ in state.values()), sum(a for _, a in state.values()))
+
+    return [lambda f, a, s=j.slice: hook(s, f, a) for j in jobs]
+
+
+def merge_results(num_prompts: int, jobs: Sequence[SliceJob], results: Sequence[RolloutResult]) -> RolloutResult:
+    """Per-slice results back into one RolloutResult in the original prompt order. stats: the sums in ``_SUMMED``,
+    ``mean_accept_length`` over all verify rows, ``wall_seconds`` = the slowest slice, per-slice stats in "slices"."""
+    tokens: list = [None] * num_prompts
+    logprobs: list = [None] * num_prompts
+    reasons: list = [None] * num_prompts
+    with_hidden = all(r.hidden is not None for r in results)
+    hidden: list | None = [None] * num_prompts if with_hidden else None
+    hidden_start: list | None = [None] * num_prompts if with_hidden else None
+    for job, res in zip(jobs, results, strict=True):
+        for k, i in enumerate(job.indices):
+            tokens[i], logprobs[i], reasons[i] = res.tokens[k], res.logprobs[k], res.finish_reason[k]
+            if with_hidden:
+                hidden[i], hidden_start[i] = res.hidden[k], res.hidden_start[k]
+    if any(t is None for t in tokens):
+        raise ValueError("merge_results: the jobs do not cover every prompt")
+    stats: dict[str, Any] = {k: sum(r.stats.get(k, 0) for r in results) for k in _SUMMED}
+    rows = sum(r.stats.get("spec", {}).get("row_verifies", 0) for r in results)
+    spec_tokens = sum(r.stats.get("spec", {}).get("tokens", 0) for r in results)
+    stats["mean_accept_length"] = spec_tokens / rows if rows else 0.0
+    stats["wall_seconds"] = max(r.stats.get("wall_seconds", 0.0) for r in results)
+    stats["tail_share"] = stats["tail_seconds"] / stats["decode_seconds"] if stats["decode_seconds"] > 0 else 0.0
+    stats["slices"] = [dict(r.stats, slice=j.slice, prompts=len(j.indices)) for j, r in zip(jobs, results,
+                                                                                           strict=True)]
+    return RolloutResult(tokens, logprobs, reasons, stats, hidden, hidden_start)

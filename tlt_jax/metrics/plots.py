@@ -1,0 +1,157 @@
+"""PNG plots of a run, refreshed after every step: what a user looks at to see TLT at work.
+
+Reads only files the run already writes (``metrics.jsonl``, ``lengths.jsonl``, ``timeline.jsonl``) so the plots can
+also be redrawn afterwards for any workdir: ``python -m tlt_jax.metrics.plots WORKDIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["PLOT_FILES", "write_plots"]
+
+PLOT_FILES = {
+    "reward": "reward.png",
+    "lengths": "response_lengths.png",
+    "accept": "accept_length.png",
+    "timeline": "timeline.png",
+}
+_STATE_COLORS = {"busy": "tab:blue", "idle": "lightgray", "training": "tab:orange"}
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+    return rows
+
+
+def _save(fig, path: str) -> None:
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    os.replace(tmp, path)  # a reader never sees half a PNG
+
+
+def _series(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def _plot_reward(plt, rows, path) -> bool:
+    keys = [k for k in ("reward/mean", "reward/accuracy", "reward/format") if _series(rows, k)[0]]
+    if not keys:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for k in keys:
+        ax.plot(*_series(rows, k), marker="o", label=k.split("/")[1])
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean over the step's responses")
+    ax.set_title("Reward and accuracy")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    _save(fig, path)
+    plt.close(fig)
+    return True
+
+
+def _plot_lengths(plt, rows, lengths, path) -> bool:
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if lengths:
+        steps = [r["step"] for r in lengths]
+        ax.boxplot([r["lengths"] for r in lengths], positions=steps, widths=0.6, whis=(0, 100))
+        ax.set_xticks(steps)
+        ax.set_title("Response lengths per step (box: quartiles, whiskers: min-max)")
+    else:
+        keys = [k for k in ("response/len_p50", "response/len_p90", "response/len_max") if _series(rows, k)[0]]
+        if not keys:
+            plt.close(fig)
+            return False
+        for k in keys:
+            ax.plot(*_series(rows, k), marker="o", label=k.split("_")[-1])
+        ax.legend()
+        ax.set_title("Response length percentiles per step")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("tokens")
+    ax.grid(alpha=0.3)
+    _save(fig, path)
+    plt.close(fig)
+    return True
+
+
+def _plot_accept(plt, rows, path) -> bool:
+    steps, acc = _series(rows, "rollout/accept_length")
+    if not steps:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, acc, marker="o")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("tokens per verify step")
+    ax.set_title("Speculative accept length")
+    ax.grid(alpha=0.3)
+    _save(fig, path)
+    plt.close(fig)
+    return True
+
+
+def _plot_timeline(plt, intervals, path) -> bool:
+    if not intervals:
+        return False
+    last = max(r["step"] for r in intervals)
+    ivs = [r for r in intervals if r["step"] == last]
+    slices = sorted({r["slice"] for r in ivs})
+    t0 = min(r["start"] for r in ivs)
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(slices) + 1.2))
+    for state, color in _STATE_COLORS.items():
+        for s in slices:
+            bars = [(r["start"] - t0, r["end"] - r["start"]) for r in ivs if r["slice"] == s and r["state"] == state]
+            if bars:
+                ax.broken_barh(bars, (s - 0.4, 0.8), color=color, label=state if s == slices[0] else None)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _STATE_COLORS.values()]
+    ax.legend(handles, list(_STATE_COLORS), loc="upper right", fontsize=8)
+    ax.set_yticks(slices, [f"slice {s}" for s in slices])
+    ax.set_xlabel("seconds since the rollout started")
+    ax.set_title(f"Step {last}: mesh slices busy / idle / training the drafter")
+    _save(fig, path)
+    plt.close(fig)
+    return True
+
+
+def write_plots(workdir: str) -> list[str]:
+    """Redraws every plot the workdir has data for into ``workdir/plots``; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in _read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("kind", "train") == "train"]
+    lengths = _read_jsonl(os.path.join(workdir, "lengths.jsonl"))
+    intervals = _read_jsonl(os.path.join(workdir, "timeline.jsonl"))
+    out = os.path.join(workdir, "plots")
+    os.makedirs(out, exist_ok=True)
+    written = []
+    for name, ok in (
+        ("reward", lambda p: _plot_reward(plt, rows, p)),
+        ("lengths", lambda p: _plot_lengths(plt, rows, lengths, p)),
+        ("accept", lambda p: _plot_accept(plt, rows, p)),
+        ("timeline", lambda p: _plot_timeline(plt, intervals, p)),
+    ):
+        path = os.path.join(out, PLOT_FILES[name])
+        if ok(path):
+            written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
+        sys.exit("usage: python -m tlt_jax.metrics.plots WORKDIR  (a run's --workdir)")
+    for p in write_plots(sys.argv[1]):
+        print(p)

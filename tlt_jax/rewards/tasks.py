@@ -1,0 +1,76 @@
+"""The RL loop's reward functions: ``reward_fn(examples, completions) -> RewardOutput``.
+
+Kept in the rewards package (which imports neither ``tlt_jax.rl`` nor ``tlt_jax.config``) so the learner, the main
+job and tests can use them without an import cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from tlt_jax.rewards.math_answer import score_gsm8k
+from tlt_jax.rewards.parallel import ParallelScorer
+
+__all__ = ["GSM8KReward", "RewardFn", "RewardOutput", "TargetTokenReward"]
+
+
+@dataclasses.dataclass
+class RewardOutput:
+    """Scores [P, n] (the RL reward), whether each response is correct [P, n], and counters (timeouts...)."""
+
+    scores: np.ndarray
+    correct: np.ndarray
+    info: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class RewardFn(Protocol):
+    """Scores the ``n`` completions (token ids) of each example (dicts with ``ground_truth``)."""
+
+    def __call__(self, examples: Sequence[dict], completions: Sequence[Sequence[Sequence[int]]]) -> RewardOutput: ...
+
+
+class TargetTokenReward:
+    """The tiny task: reward = fraction of the ``max_new_tokens`` positions that hold the example's target token
+    (``ground_truth``); stopping early scores the missing positions as 0. Correct = every position is the target."""
+
+    def __init__(self, max_new_tokens: int):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, examples, completions) -> RewardOutput:
+        scores = np.array(
+            [
+                [sum(int(t) == int(ex["ground_truth"]) for t in c) / self.max_new_tokens for c in comps]
+                for ex, comps in zip(examples, completions, strict=True)
+            ],
+            np.float32,
+        )
+        return RewardOutput(scores, scores >= 1.0 - 1e-6)
+
+    def close(self) -> None:
+        pass
+
+
+class GSM8KReward:
+    """GSM8K exact match of the final number, scored in worker processes with a per-item timeout."""
+
+    def __init__(self, tokenizer, num_workers: int = 2, timeout_s: float = 5.0):
+        self.tokenizer = tokenizer
+        self.scorer = ParallelScorer(score_gsm8k, num_workers=num_workers, timeout_s=timeout_s)
+
+    def __call__(self, examples, completions) -> RewardOutput:
+        n = len(completions[0])
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for comps in completions for c in comps]
+        truths = [ex["ground_truth"] for ex in examples for _ in range(n)]
+        out = self.scorer(texts, truths)
+        scores = out.scores.reshape(len(examples), n)
+        info = {"reward/timeouts": float(out.num_timeouts), "reward/errors": float(out.num_errors)}
+        return RewardOutput(scores, scores >= 1.0, info)
+
+    def close(self) -> None:
+        self.scorer.close()
