@@ -36,8 +36,7 @@ from absl import app, flags
 
 from tlt_jax.drafter.export import load_drafter
 from tlt_jax.drafter.warmup import load_policy_and_prompts
-from tlt_jax.rollout import RolloutEngine, SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
 
 _F = flags.FLAGS
 DEFAULT_DRAFTER = pathlib.Path(__file__).parent / "drafters" / "eagle_smollm2_gsm"
@@ -70,39 +69,66 @@ def _median_ms(fn, reps: int = 15) -> float:
 
 
 def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -> list[dict]:
-    """Milliseconds of one batch-1 step's parts after prefilling ``prompt``: a plain decode step, and per tree config
-    the EAGLE draft, the policy's tree verify, the drafter extend and the fused step (attention over ``length``
-    cache slots; nothing donated, so each part also copies the caches it updates)."""
+    """Milliseconds of one batch-1 step's parts after prefilling ``prompt``, on the RolloutEngine's own compiled steps
+    and decode state: a plain decode step, and per tree config the EAGLE draft, the policy's tree verify, the drafter
+    extend (the kernels the fused step runs) and the engine's fused verify step (draft → verify → commit → extend).
+    Attention reads ``length`` cache slots. The engine's steps donate their state, so every timed call gets its own
+    copy of it, made outside the clock; the undonated parts also copy the caches they update."""
     import jax.numpy as jnp
 
-    from tlt_jax.speculative import generate as g
-    from tlt_jax.speculative.tree import drafter_extend, eagle_draft, init_draft_state
-    from tlt_jax.speculative.verify import verify_tree
+    from tlt_jax.rollout.pool import StepKey
+    from tlt_jax.rollout.run import GenerateRun
+    from tlt_jax.rollout.spec_steps import verify_rows
+    from tlt_jax.speculative.tree import DraftState, drafter_extend, eagle_draft
 
-    st = g._Loop(policy, [prompt], 64, 0.0, 0, 1.0, 0, None, None, stops, length)
-    cache = st.cache
-    keys = g._token_keys(0, st.req_j, st.smp_j, cache.lengths + 1)
-    rest = (st.temperature, st.top_k, st.top_p, st.stop, st.remaining(), st.active())
-    rows = [dict(part="plain_step", ms=_median_ms(lambda: g.plain_step(policy, cache, st.root, keys, *rest,
-                                                                      attend_len=length)))]
+    prompt = list(prompt)
+    if len(prompt) >= length:
+        raise ValueError(f"step_breakdown: the prompt ({len(prompt)} tokens) must be shorter than length={length}")
+    kw = dict(max_batch=1, max_len=length, length_buckets=(length,), batch_buckets=(1,), chunk_size=1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=length - len(prompt), stop_token_ids=stops)
+
+    def prefilled(engine):
+        run = GenerateRun(engine, [prompt], [length - len(prompt)], [0], params, tuple(stops or ()))
+        return run.prefill([(0, 0)])[0]
+
+    copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
+
+    def step_ms(engine, phase: str, arm: str, reps: int = 15) -> float:
+        """The compiled step as the engine runs it (state donated): each call gets its own copy, made untimed."""
+        state = prefilled(engine)
+        exe = engine.pool.get(StepKey(phase, 1, length, arm), engine.step_params(), state)
+        jax.block_until_ready(exe(engine.step_params(), copy(state)))
+        times = []
+        for _ in range(reps):
+            fresh = jax.block_until_ready(copy(state))
+            t = time.perf_counter()
+            jax.block_until_ready(exe(engine.step_params(), fresh))
+            times.append(time.perf_counter() - t)
+        return 1000 * float(np.median(times))
+
+    plain = RolloutEngine(policy, **kw)
+    rows = [dict(part="plain_step", ms=step_ms(plain, "decode", "plain"))]
+    cache = prefilled(plain).cache
+
     def parts(c: str) -> dict:
         d, k, n = (int(x) for x in c.split("x"))
-        dk = g._depth_keys(0, st.req_j, st.smp_j, cache.lengths + 1, d)
-        ds = init_draft_state(policy.config, 1, st.max_len + (d - 1) * k)
-        ds = g.drafter_prefill(policy, drafter, ds, jnp.asarray(st.ids), jnp.asarray(st.lens), st.first, st.hidden)
-        draft = jax.jit(lambda p, dr, s, r: eagle_draft(p, dr, s, r, depth=d, topk=k, num_nodes=n))
-        verify = jax.jit(lambda p, c_, t, *a: verify_tree(p, c_, t, *a, max_depth=d, attend_len=length))
-        extend = jax.jit(lambda p, dr, s, h, t, m: drafter_extend(p, dr, s, h, t, m, attend_len=length + (d - 1) * k))
-        tree, _ = draft(policy, drafter, ds, st.root)
-        out = verify(policy, cache, tree, dk, *rest)
+        spec = SpecConfig(depth=d, topk=k, verify_tokens=n, threshold=1, steps_per_call=1)
+        engine = RolloutEngine(policy, drafter=drafter, spec=spec, **kw)
+        state = prefilled(engine)
+        dlen = min(length + (d - 1) * k, engine.ctx.drafter_len)
+        draft = jax.jit(lambda p, dr, s, r: eagle_draft(p, dr, DraftState(s.cache.view(dlen), s.feature), r, depth=d,
+                                                        topk=k, num_nodes=n))
+        verify = jax.jit(lambda p, s, t: verify_rows(p, s, t, spec, length))
+        extend = jax.jit(lambda p, dr, s, h, t, m: drafter_extend(p, dr, s, h, t, m, attend_len=dlen))
+        tree, _ = draft(policy, drafter, state.aux, state.last_token)
+        out = verify(policy, state, tree)
         tok = jnp.maximum(out.tokens, 0)
         return dict(
             part=c,
-            draft_ms=_median_ms(lambda: draft(policy, drafter, ds, st.root)),
-            verify_ms=_median_ms(lambda: verify(policy, cache, tree, dk, *rest)),
-            extend_ms=_median_ms(lambda: extend(policy, drafter, ds, out.hidden, tok, out.num_emitted)),
-            fused_ms=_median_ms(lambda: g.eagle_step(policy, drafter, cache, ds, st.root, dk, *rest, depth=d, topk=k,
-                                                     num_nodes=n, attend_len=length)),
+            draft_ms=_median_ms(lambda: draft(policy, drafter, state.aux, state.last_token)),
+            verify_ms=_median_ms(lambda: verify(policy, state, tree)),
+            extend_ms=_median_ms(lambda: extend(policy, drafter, state.aux, out.hidden, tok, out.num_emitted)),
+            fused_ms=step_ms(engine, "verify", engine.spec_arm),
         )
 
     fwd = jax.jit(lambda p, c_, i, m: jnp.argmax(p(i, cache=c_.view(length), tree_mask=m).logits, -1))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.adaptive import Arm, Bandit, BanditConfig, SpecGate, agreed_seconds, make_bandit, parse_arm, parse_arms
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.spec_steps import SpecConfig
 
 ARMS = ["off", "eagle:8x4x48", "eagle:4x2x12"]
 

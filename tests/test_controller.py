@@ -20,7 +20,7 @@ from tlt_jax.controller import (
     simulate,
 )
 from tlt_jax.distributed import MeshConfig, make_mesh
-from tlt_jax.drafter import EagleDrafter, OptimConfig
+from tlt_jax.drafter import DrafterOptimConfig, EagleDrafter
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.models import CausalLM, tiny_config
@@ -179,7 +179,7 @@ def test_two_slices_match_one(model, two):
 def test_controller_trains_on_the_idle_slice(model, two, tmp_path):
     rollout = two
     drafter = EagleDrafter(model.config, rngs=nnx.Rngs(1))
-    trainer = SpotTrainer(drafter, rollout.meshes, rollout.policy, optim=OptimConfig(learning_rate=1e-3))
+    trainer = SpotTrainer(drafter, rollout.meshes, rollout.policy, optim=DrafterOptimConfig(learning_rate=1e-3))
     buffer = DrafterBuffer(max_bytes=2**20)
     ctl = Controller(rollout, trainer=trainer, buffer=buffer, cfg=ControllerConfig(row_len=16, rows=4),
                      workdir=tmp_path)
@@ -227,7 +227,7 @@ def test_trained_drafter_published_to_eagle_slices_stays_lossless(model, two):
     rollout = SlicedRollout(model, make_mesh(MeshConfig(data=2), jax.devices()[:2]), 2, drafter=drafter, spec=spec,
                             max_batch=8, max_len=64, chunk_size=4, length_buckets=(64,), compaction=False,
                             capture=HiddenCapture(window=16), compiler_options=FAST)
-    trainer = SpotTrainer(drafter, rollout.meshes, rollout.policy, optim=OptimConfig(learning_rate=3e-3))
+    trainer = SpotTrainer(drafter, rollout.meshes, rollout.policy, optim=DrafterOptimConfig(learning_rate=3e-3))
     ctl = Controller(rollout, trainer=trainer, buffer=DrafterBuffer(2**20), cfg=ControllerConfig(row_len=16, rows=2))
     greedy = SamplingParams(temperature=0.0, n=2, max_new_tokens=[6, 6, 6, 40, 40], ignore_eos=True)
     try:

@@ -16,21 +16,28 @@ from tlt_jax.drafter.evaluate import chain_acceptance
 from tlt_jax.drafter.export import export_eagle, import_eagle, load_drafter, save_drafter
 from tlt_jax.drafter.train import (
     DrafterBatch,
-    LossConfig,
-    OptimConfig,
+    DrafterLossConfig,
+    DrafterOptimConfig,
     drafter_loss,
-    init_train_state,
-    make_optimizer,
-    make_train_step,
+    init_drafter_train_state,
+    make_drafter_optimizer,
+    make_drafter_train_step,
     pack_sequences,
     train_drafter,
 )
 from tlt_jax.drafter.warmup import generate_samples, policy_hidden_states, run_warmup
 from tlt_jax.models import CausalLM, tiny_config
-from tlt_jax.speculative import speculative_generate
+from tlt_jax.rollout import HiddenCapture, RolloutEngine, SamplingParams, SpecConfig
 
 CFG = tiny_config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   eos_token_ids=())
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _engine(policy, drafter=None, spec=None, batch=4, **kw):
+    """An engine for the warm-up tests' short sequences (prompts < 9 tokens + 24 new fit one 64-slot bucket)."""
+    return RolloutEngine(policy, drafter=drafter, spec=spec, max_batch=batch, max_len=64, length_buckets=(64,),
+                         batch_buckets=(batch,), compiler_options=FAST, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +97,12 @@ def test_packing_layout_and_no_cross_sample_attention(policy):
 def test_loss_decreases_on_fixed_batch(policy):
     drafter = EagleDrafter(CFG, rngs=nnx.Rngs(2))
     batch = pack_sequences(_samples(policy, 8), row_len=32)
-    _, hist = train_drafter(drafter, policy, [batch], 60, optim=OptimConfig(learning_rate=3e-3))
+    _, hist = train_drafter(drafter, policy, [batch], 60, optim=DrafterOptimConfig(learning_rate=3e-3))
     assert hist[-1]["value_loss"] < 0.3 * hist[0]["value_loss"]  # the CE part has the policy's entropy as floor
     assert hist[-1]["loss"] < hist[0]["loss"] - 0.3
     assert hist[-1]["top1"] > hist[0]["top1"]
     # The loss pieces are what they say: SmoothL1 on features and soft CE against the policy's distribution.
-    loss, m = drafter_loss(drafter, policy, jax.tree.map(jnp.asarray, batch), LossConfig())
+    loss, m = drafter_loss(drafter, policy, jax.tree.map(jnp.asarray, batch), DrafterLossConfig())
     assert abs(float(loss) - (float(m.value_loss) + 0.1 * float(m.prob_loss))) < 1e-5
 
 
@@ -108,13 +115,13 @@ def test_frozen_policy_gets_no_gradient(policy):
 
 def test_sharded_train_step_equals_single_device(policy):
     batch = pack_sequences(_samples(policy, 12, seed=3), row_len=16, num_rows=8)
-    opt = make_optimizer(OptimConfig(learning_rate=1e-3))
+    opt = make_drafter_optimizer(DrafterOptimConfig(learning_rate=1e-3))
     key = jax.random.key(0)
     results = []
     for mesh in (None, make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))):
         drafter = EagleDrafter(CFG, rngs=nnx.Rngs(4))
-        graphdef, state = init_train_state(drafter, opt, mesh)
-        step = make_train_step(graphdef, opt, mesh=mesh)
+        graphdef, state = init_drafter_train_state(drafter, opt, mesh)
+        step = make_drafter_train_step(graphdef, opt, mesh=mesh)
         b = jax.tree.map(jnp.asarray, batch)
         pol = policy
         if mesh is not None:
@@ -173,7 +180,7 @@ def warm(policy):
     prompts = [rng.integers(2, 64, size=int(rng.integers(4, 9))).tolist() for _ in range(16)]
     drafter, hist, samples = run_warmup(policy, prompts, max_new_tokens=24, steps=150, batch_size=8, row_len=64,
                                         rows_per_batch=4, temperature=0.0, stop_tokens=(),
-                                        optim=OptimConfig(learning_rate=3e-3), log=lambda *_: None)
+                                        optim=DrafterOptimConfig(learning_rate=3e-3), log=lambda *_: None)
     return prompts, drafter, hist, samples
 
 
@@ -184,11 +191,14 @@ def test_warmup_trains_a_drafter_that_gets_accepted(tmp_path, policy, warm):
     assert len(samples) == 16 and hist[-1]["loss"] < hist[0]["loss"]
     save_drafter(drafter, tmp_path)
     drafter = load_drafter(tmp_path)
-    kw = dict(depth=3, topk=2, num_nodes=6, max_new_tokens=24, stop_tokens=())
-    trained = speculative_generate(policy, prompts[:4], drafter=drafter, **kw)
-    random = speculative_generate(policy, prompts[:4], drafter=EagleDrafter(CFG, rngs=nnx.Rngs(9)), **kw)
-    assert trained.tokens == random.tokens == [r for _, r in samples[:4]]
-    assert trained.mean_accept > random.mean_accept + 0.5, (trained.mean_accept, random.mean_accept)
+    engine = _engine(policy, drafter, SpecConfig(depth=3, topk=2, verify_tokens=6, threshold=4))
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    trained = engine.generate(prompts[:4], params)
+    engine.set_drafter(EagleDrafter(CFG, rngs=nnx.Rngs(9)))
+    random = engine.generate(prompts[:4], params)
+    assert [r[0] for r in trained.tokens] == [r[0] for r in random.tokens] == [r for _, r in samples[:4]]
+    acc = [res.stats["mean_accept_length"] for res in (trained, random)]
+    assert acc[0] > acc[1] + 0.5, acc
 
 
 def test_chain_profile_predicts_every_verify_of_greedy_chain_decoding(policy, warm):
@@ -202,16 +212,19 @@ def test_chain_profile_predicts_every_verify_of_greedy_chain_decoding(policy, wa
     assert 0 < prof.accepted.mean() < 4 and prof.expected_accept(2) <= prof.expected_accept(4)
     offsets = np.cumsum([0] + [len(r) - 1 for _, r in samples[:4]])
     for depth in (2, 4):
+        spec = SpecConfig(depth=depth, topk=1, verify_tokens=depth + 1, threshold=1, steps_per_call=1)
+        engine = _engine(policy, drafter, spec, batch=1)
         for i, (p, r) in enumerate(samples[:4]):
-            real = speculative_generate(policy, [p], drafter=drafter, depth=depth, num_nodes=depth + 1,
-                                        max_new_tokens=len(r), stop_tokens=())
-            assert real.tokens == [r]
+            res = engine.generate([p], SamplingParams(temperature=0.0, max_new_tokens=len(r), ignore_eos=True))
+            assert res.tokens == [[r]]
+            real = [c["accepted"] for c in res.stats["chunks"]]  # one row, one verify step per chunk
+            assert set(res.stats["arms"]) == {engine.spec_arm} and len(real) == res.stats["verify_steps"]
             acc, pos, walk = prof.accepted[offsets[i]: offsets[i + 1]], 0, []
             while pos < len(r) - 1:  # root = response token pos (the first comes from the prefill)
                 a = min(int(acc[pos]), depth)
                 walk.append(a)
                 pos += a + 1
-            assert walk[:-1] == real.accept_lens[:-1] and walk[-1] <= real.accept_lens[-1], (walk, real.accept_lens)
+            assert walk[:-1] == real[:-1] and walk[-1] <= real[-1], (walk, real)
         assert prof.expected_accept(depth) > 1.0
     conditional = prof.conditional()
     assert len(conditional) == 4 and all(0.0 <= c <= 1.0 for c in conditional if c == c)
@@ -219,17 +232,25 @@ def test_chain_profile_predicts_every_verify_of_greedy_chain_decoding(policy, wa
         prof.expected_accept(5)
 
 
-def test_engine_generated_samples_equal_host_loop_samples(policy):
-    """The warm-up's engine path (batched RolloutEngine + one feature forward) gives the host loop's samples."""
+def test_generated_samples_are_the_engines_with_the_features_decoding_saw(policy):
+    """The warm-up's samples are the RolloutEngine's generations (greedy and sampled, stop tokens honoured), and their
+    features (one forward over prompt + response) are the hidden states the decode steps produced."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 64, size=int(rng.integers(4, 9))).tolist() for _ in range(6)]
     kw = dict(max_new_tokens=12, batch_size=4, temperatures=(0.0, 0.9), seed=1, stop_tokens=(5,), log=lambda *_: None)
-    host = generate_samples(policy, prompts, **kw)
-    eng = generate_samples(policy, prompts, engine_batch=4, **kw)
-    assert [(p, r) for p, r, _ in eng] == [(p, r) for p, r, _ in host]
-    for (p, r, a), (_, _, b) in zip(eng, host, strict=True):  # the host loop never feeds the last token
-        assert a.shape[0] == len(p) + len(r) == b.shape[0] + 1
-        np.testing.assert_allclose(a[:-1], b, atol=1e-4)
+    got = generate_samples(policy, prompts, **kw)
+    engine = _engine(policy, batch=8, capture=HiddenCapture(window=12, side="first"))
+    want = []
+    for ti, temp in enumerate(kw["temperatures"]):
+        res = engine.generate(prompts, SamplingParams(temperature=temp, max_new_tokens=12, seed=1 + ti,
+                                                      stop_token_ids=[5]))
+        want += [(p, r[0], h[0]) for p, r, h in zip(prompts, res.tokens, res.hidden, strict=True)]
+    assert [(p, r) for p, r, _ in got] == [(p, r) for p, r, _ in want]
+    assert any(r[-1] == 5 for _, r, _ in got) and any(len(r) == 12 for _, r, _ in got)
+    for (p, r, feats), (_, _, captured) in zip(got, want, strict=True):
+        assert feats.shape[0] == len(p) + len(r)
+        # generated token i came from the feature at position len(p) - 1 + i
+        np.testing.assert_allclose(feats[len(p) - 1: len(p) - 1 + len(r)], captured[: len(r)], atol=1e-4)
 
 
 def test_warmup_cli_engine_generation_samples_and_continue(tmp_path):

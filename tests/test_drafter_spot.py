@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from tlt_jax.distributed import MeshConfig, make_mesh, shard_module, split_mesh
-from tlt_jax.drafter import EagleDrafter, LossConfig, OptimConfig, drafter_loss, import_eagle
+from tlt_jax.drafter import DrafterLossConfig, DrafterOptimConfig, EagleDrafter, drafter_loss, import_eagle
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.spot import SpotTrainer, average_states
 from tlt_jax.models import CausalLM, tiny_config
@@ -30,7 +30,7 @@ def setup():
     meshes = split_mesh(make_mesh(MeshConfig(data=2), jax.devices()[:2]), 2)  # one device per slice (fast)
     policies = [shard_module(model, m) for m in meshes]
     t = SpotTrainer(EagleDrafter(model.config, rngs=nnx.Rngs(7)), meshes, lambda s: policies[s],
-                    optim=OptimConfig(learning_rate=3e-3))
+                    optim=DrafterOptimConfig(learning_rate=3e-3))
     return model, buf, t, t.state_tree()
 
 
@@ -47,7 +47,7 @@ def test_training_on_buffer_data_lowers_loss_and_raises_top1(setup, fresh):
     model, buf, _, _ = setup
     t = fresh
     held_out = buf.batch(24, 4, seed=123)
-    evaluate = jax.jit(lambda d, b: drafter_loss(d, model, b, LossConfig())[1])
+    evaluate = jax.jit(lambda d, b: drafter_loss(d, model, b, DrafterLossConfig())[1])
     before = evaluate(t.drafter(), held_out)
     t.begin_step(1)
     hist = t.train_steps(0, lambda k: buf.batch(24, 4, seed=k), 30)

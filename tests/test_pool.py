@@ -120,7 +120,7 @@ def test_precompile_every_reachable_arm_and_bucket_of_an_engine():
     from tlt_jax.adaptive import BanditConfig, parse_arms, reachable_plan
     from tlt_jax.models import CausalLM, tiny_config
     from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
-    from tlt_jax.rollout.speculative import register_spec
+    from tlt_jax.rollout.spec_steps import register_spec
 
     cfg = tiny_config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, eos_token_ids=()

@@ -369,7 +369,7 @@ def test_bad_inputs_raise_before_compute(engine):
 def test_processed_logprobs_mixed_filters_match_reference_and_skip_is_batch_independent():
     """Rows with filters off get log_softmax(logits / T) whether or not another row in the batch filters (the
     sort-free path and the filtered path agree on them), and filtered rows match the float64 reference."""
-    from tlt_jax.rollout.sampling import processed_logprobs
+    from tlt_jax.sampling import processed_logprobs
 
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)) * 3, jnp.float32)
     temp = jnp.asarray([0.8, 1.0, 1.3, 0.8])
@@ -381,3 +381,25 @@ def test_processed_logprobs_mixed_filters_match_reference_and_skip_is_batch_inde
         got = np.exp(np.asarray(mixed[row], np.float64))
         np.testing.assert_allclose(got, _expected(logits[row], float(temp[row]), k, p), atol=1e-6)
         assert (got > 0).sum() < 50
+
+
+def test_step_info_packs_into_one_array_and_unpacks_by_name():
+    """The host reads one int32 array per round trip; its rows come back under their names for every step kind."""
+    from tlt_jax.rollout.state import StepInfo
+
+    done, ngen = jnp.array([True, False, False]), jnp.array([4, 2, 7])
+    plain = StepInfo.unpack(np.asarray(StepInfo(done, ngen).pack()), speculative=False)
+    np.testing.assert_array_equal(plain.done, [True, False, False])
+    np.testing.assert_array_equal(plain.num_generated, [4, 2, 7])
+    assert plain.verifies is None and plain.accepted is None and plain.tokens is None
+    tokens = jnp.array([[9, 8, -1], [7, -1, -1]])  # [R, B]
+    packed = StepInfo(done, ngen, jnp.array([1, 1, 0]), jnp.array([3, 0, 0]), tokens).pack()
+    assert packed.shape == (6, 3) and packed.dtype == jnp.int32
+    spec = StepInfo.unpack(np.asarray(packed), speculative=True)
+    np.testing.assert_array_equal(spec.verifies, [1, 1, 0])
+    np.testing.assert_array_equal(spec.accepted, [3, 0, 0])
+    np.testing.assert_array_equal(spec.tokens, np.asarray(tokens))
+    eagle = StepInfo.unpack(np.asarray(StepInfo(done, ngen, jnp.array([2, 1, 0]), jnp.array([5, 1, 0])).pack()), True)
+    assert eagle.tokens is None and eagle.accepted.tolist() == [5, 1, 0]
+    decode = StepInfo.unpack(np.asarray(StepInfo(done, ngen, tokens=tokens).pack()), speculative=False)
+    assert decode.verifies is None and decode.tokens.tolist() == [[9, 8, -1], [7, -1, -1]]

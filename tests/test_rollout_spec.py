@@ -135,6 +135,8 @@ def test_spec_config_and_engine_arguments_are_validated(model):
         RolloutEngine(model, spec=SpecConfig(), **KW)
     with pytest.raises(ValueError, match="'ngram'"):
         RolloutEngine(model, drafter="suffix", **KW)
+    with pytest.raises(ValueError, match="an EagleDrafter, or 'ngram'; got object"):  # not a TreeDrafter
+        RolloutEngine(model, drafter=object(), **KW)
     other = nnx.eval_shape(lambda: EagleDrafter(tiny_config(hidden_size=48), rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="hidden_size"):
         RolloutEngine(model, drafter=other, **KW)

@@ -1,5 +1,8 @@
 """Tree speculative decoding: format helpers and kernels against the numpy oracles, tree-forward parity, KV commit,
-and the lossless end-to-end property (speculative == plain decoding, token for token, greedy and sampled)."""
+and the lossless end-to-end property through the rollout engine (speculative == plain decoding, token for token,
+greedy and sampled, for several EAGLE tree shapes, the n-gram drafter and an oracle drafter)."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,7 @@ from flax import nnx
 
 from tlt_jax.drafter import EagleDrafter
 from tlt_jax.models import CausalLM, KVCache, tiny_config
+from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
 from tlt_jax.speculative import (
     NgramDrafter,
     accept_tree,
@@ -19,16 +23,12 @@ from tlt_jax.speculative import (
     from_first_child_next_sibling,
     init_draft_state,
     make_tree,
-    plain_generate,
-    prefill_step,
     sample_tree,
     select_tree,
-    speculative_generate,
     tree_forward,
     truncate,
     verify_tree,
 )
-from tlt_jax.speculative.generate import pad_prompts
 from tlt_jax.speculative.reference import (
     ref_accept,
     ref_ancestors,
@@ -201,14 +201,53 @@ def test_select_tree_matches_reference():
 # ---------------------------------------------------------------------------------------- model-level invariants
 
 
+def pad_prompts(prompts):
+    lens = np.array([len(p) for p in prompts], np.int32)
+    ids = np.zeros((len(prompts), int(lens.max())), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    return ids, lens
+
+
 def _prefill(policy, prompts, extra=16):
+    """Prompts into a fresh cache: (ids, lens, cache, greedy first token, the prompts' hidden states)."""
     ids, lens = pad_prompts(prompts)
-    b = len(prompts)
-    cache = KVCache.zeros(policy.config, b, ids.shape[1] + extra)
-    keys = depth_keys(0, np.arange(b), np.zeros(b), lens, 0)[:, 0]
-    cache, first, _, hidden = prefill_step(policy, cache, jnp.asarray(ids), jnp.asarray(lens), keys,
-                                           jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b))
-    return ids, lens, cache, first, hidden
+    cache = KVCache.zeros(policy.config, len(prompts), ids.shape[1] + extra)
+    valid = jnp.arange(ids.shape[1])[None, :] < lens[:, None]
+    out = policy(jnp.asarray(ids), attention_mask=valid, cache=cache, logits_indices=jnp.asarray(lens - 1)[:, None])
+    first = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
+    return ids, lens, cache.append(out.k_new, out.v_new, jnp.asarray(lens)), first, out.hidden
+
+
+def _drafter_state(policy, drafter, ids, lens, first, hidden, slots):
+    """The drafter state after the prompt and the first token: pairs (h_t, x_{t+1}) for t < len, x_len = first."""
+    b = len(lens)
+    seq = np.concatenate([ids, np.zeros((b, 1), np.int32)], axis=1)
+    seq[np.arange(b), lens] = np.asarray(first)
+    hid = jnp.concatenate([hidden, jnp.zeros_like(hidden[:, :1])], axis=1)
+    state = init_draft_state(CFG, b, slots)
+    return jax.jit(drafter_prefill)(policy, drafter, state, hid, jnp.asarray(seq), jnp.asarray(lens))
+
+
+@jax.jit
+def _logits(policy, ids):
+    return policy(ids).logits.astype(jnp.float32)
+
+
+def _greedy(policy, prompts, steps):
+    """Greedy continuations and their raw log-probs by re-forwarding every whole sequence (no cache; right padding
+    to one shape, which a causal model never sees from earlier positions): the kernel tests' reference."""
+    seqs = [list(p) for p in prompts]
+    lps = [[] for _ in prompts]
+    for _ in range(steps):
+        ids, lens = pad_prompts(seqs)
+        ids = np.pad(ids, ((0, 0), (0, 32 - ids.shape[1])))
+        logp = jax.nn.log_softmax(_logits(policy, jnp.asarray(ids)), axis=-1)
+        logp = np.asarray(logp[jnp.arange(len(seqs)), jnp.asarray(lens) - 1])
+        for i, row in enumerate(logp):
+            seqs[i].append(int(np.argmax(row)))
+            lps[i].append(float(row[seqs[i][-1]]))
+    return [s[len(p):] for s, p in zip(seqs, prompts, strict=True)], lps
 
 
 def test_tree_forward_logits_equal_sequential_decode(policy):
@@ -242,8 +281,9 @@ def test_tree_forward_logits_equal_sequential_decode(policy):
 
 def test_kv_commit_equals_plain_decoding_kv(policy):
     _, lens, cache, first, _ = _prefill(policy, PROMPTS)
-    greedy = plain_generate(policy, PROMPTS, max_new_tokens=6, stop_tokens=())
-    g = [np.array(t) for t in greedy.tokens]
+    greedy, greedy_lp = _greedy(policy, PROMPTS, 6)
+    g = [np.array(t) for t in greedy]
+    np.testing.assert_array_equal([t[0] for t in g], np.asarray(first))
     # Chain root -> g[1] -> g[2] -> g[3] plus wrong siblings: greedy verification accepts exactly the chain.
     tok = np.array([[t[0], t[1], (t[1] + 1) % 64, t[2], t[3], (t[3] + 7) % 64] for t in g], np.int32)
     par = np.array([[-1, 0, 0, 1, 3, 3]] * 3, np.int32)
@@ -267,7 +307,7 @@ def test_kv_commit_equals_plain_decoding_kv(policy):
         np.testing.assert_allclose(out.cache.v[:, b, :n], ref.v_new[:, 0], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(out.cache.k[:, 2]), np.asarray(cache.k[:, 2]))  # inactive: untouched
     # Log-probs are the raw policy log-probs at the parent node.
-    np.testing.assert_allclose(out.logprobs[0], greedy.logprobs[0][1:5], atol=1e-5)
+    np.testing.assert_allclose(out.logprobs[0], greedy_lp[0][1:5], atol=1e-5)
 
 
 def test_sampled_walk_equals_all_node_sampling(policy):
@@ -276,12 +316,12 @@ def test_sampled_walk_equals_all_node_sampling(policy):
     rng = np.random.default_rng(11)
     n, d = 9, 4
     _, lens, cache, first, _ = _prefill(policy, PROMPTS)
-    greedy = plain_generate(policy, PROMPTS, max_new_tokens=5, stop_tokens=())
+    greedy, _ = _greedy(policy, PROMPTS, 2)
     for trial in range(6):
         rows = [random_tree(rng, n, CFG.vocab_size, p_invalid=0.1) for _ in PROMPTS]
         tok, par, val = (np.stack(x) for x in zip(*rows, strict=True))
         tok[:, 0] = np.asarray(first)
-        tok[:, 1] = [g[1] for g in greedy.tokens]  # a likely first hit, so the walk goes deeper than the root
+        tok[:, 1] = [g[1] for g in greedy]  # a likely first hit, so the walk goes deeper than the root
         par[:, 1], val[:, 1] = 0, True
         tree = make_tree(tok, par, val, max_depth=d)
         keys = depth_keys(trial, np.arange(3), np.zeros(3), cache.lengths + 1, d)
@@ -309,8 +349,7 @@ def test_eagle_draft_matches_sequential_reference(policy, drafter):
     depth, topk, n = 3, 3, 12
     prompts = PROMPTS[:2]
     ids, lens, cache, first, hidden = _prefill(policy, prompts)
-    dstate = init_draft_state(CFG, 2, ids.shape[1] + 16)
-    dstate = drafter_prefill(policy, drafter, dstate, jnp.asarray(ids), jnp.asarray(lens), first, hidden)
+    dstate = _drafter_state(policy, drafter, ids, lens, first, hidden, ids.shape[1] + 16)
     tree, _ = jax.jit(eagle_draft, static_argnames=("depth", "topk", "num_nodes"))(
         policy, drafter, dstate, first, depth=depth, topk=topk, num_nodes=n)
     check_tree(tree)
@@ -336,38 +375,11 @@ def test_eagle_draft_matches_sequential_reference(policy, drafter):
 # ------------------------------------------------------------------------------------------------- lossless loops
 
 
-def _oracle(reference_tokens, depth, n, vocab):
-    """Host proposer: a chain along the reference continuation plus distinct wrong siblings."""
-
-    def propose(contexts, active):
-        b = len(contexts)
-        tok = np.zeros((b, n), np.int32)
-        par = np.zeros((b, n), np.int32)
-        val = np.zeros((b, n), bool)
-        par[:, 0] = -1
-        val[:, 0] = True
-        for i, ctx in enumerate(contexts):
-            done = len(ctx) - len(PROMPTS[i])
-            chain = reference_tokens[i][done: done + depth]
-            tok[i, 0] = ctx[-1]
-            k, prev = 1, 0
-            for t in chain:
-                if k + 1 >= n:
-                    break
-                tok[i, k], par[i, k], val[i, k] = t, prev, True
-                tok[i, k + 1], par[i, k + 1], val[i, k + 1] = (t + 1) % vocab, prev, True
-                prev, k = k, k + 2
-        return tok, par, val
-
-    return propose
-
-
 def test_eagle_draft_any_static_config_is_well_formed(policy, drafter):
     ids, lens, cache, first, hidden = _prefill(policy, PROMPTS)
     draft = jax.jit(eagle_draft, static_argnames=("depth", "topk", "num_nodes"))
+    dstate = _drafter_state(policy, drafter, ids, lens, first, hidden, ids.shape[1] + 24)
     for depth, topk, n in [(1, 1, 1), (1, 4, 3), (2, 2, 20), (5, 1, 4), (3, 4, 16)]:
-        dstate = init_draft_state(CFG, 3, ids.shape[1] + 24)  # one shape: one prefill compile
-        dstate = drafter_prefill(policy, drafter, dstate, jnp.asarray(ids), jnp.asarray(lens), first, hidden)
         tree, _ = draft(policy, drafter, dstate, first, depth=depth, topk=topk, num_nodes=n)
         check_tree(tree)
         assert tree.tokens.shape == (3, n)
@@ -377,50 +389,103 @@ def test_eagle_draft_any_static_config_is_well_formed(policy, drafter):
         assert int(np.asarray(tree.depth).max()) <= depth
 
 
-@pytest.mark.parametrize("depth,topk,n", [(3, 2, 6), (4, 3, 10), (2, 1, 3), (1, 1, 1)])
-def test_greedy_eagle_equals_plain(policy, drafter, depth, topk, n):
-    plain = plain_generate(policy, PROMPTS, max_new_tokens=14, stop_tokens=())
-    spec = speculative_generate(policy, PROMPTS, drafter=drafter, depth=depth, topk=topk, num_nodes=n,
-                                max_new_tokens=14, stop_tokens=())
-    assert spec.tokens == plain.tokens
-    np.testing.assert_allclose(np.concatenate(spec.logprobs), np.concatenate(plain.logprobs), atol=1e-5)
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+ENGINE = dict(max_batch=4, max_len=64, length_buckets=(64,), batch_buckets=(4,), compiler_options=FAST)
 
 
-def test_greedy_ngram_and_oracle_equal_plain_with_eos(policy):
-    plain = plain_generate(policy, PROMPTS, max_new_tokens=20, stop_tokens=())
-    ng = NgramDrafter(num_nodes=6, max_depth=3)
-    spec = speculative_generate(policy, PROMPTS, drafter=ng, depth=3, num_nodes=6, max_new_tokens=20,
-                                stop_tokens=())
-    assert spec.tokens == plain.tokens
-    assert max(spec.accept_lens) >= 1  # the random model repeats itself, so lookup drafts get accepted
-    oracle = _oracle(plain.tokens, 4, 9, CFG.vocab_size)
-    spec = speculative_generate(policy, PROMPTS, drafter=oracle, depth=4, num_nodes=9, max_new_tokens=20,
-                                stop_tokens=())
-    assert spec.tokens == plain.tokens
-    assert spec.steps <= 5 and spec.mean_accept > 4.0  # (20 - 1) / 5 tokens per verify: all accepted
+@dataclasses.dataclass
+class Oracle(NgramDrafter):
+    """A host drafter that knows the answer: a chain along the reference continuation, a wrong sibling at each node."""
+
+    reference: dict = dataclasses.field(default_factory=dict)  # prompt tuple -> continuation
+
+    def propose_one(self, b, contexts):
+        ctx = [int(t) for t in contexts[b]]
+        prompt = next(p for p in self.reference if tuple(ctx[: len(p)]) == p)
+        done = len(ctx) - len(prompt)
+        chain = self.reference[prompt][done : done + self.max_depth]
+        n = self.num_nodes
+        tok, par, val = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
+        tok[0], par[0], val[0] = ctx[-1], -1, True
+        k, prev = 1, 0
+        for t in chain:
+            if k + 1 >= n:
+                break
+            tok[k], par[k], val[k] = t, prev, True
+            tok[k + 1], par[k + 1], val[k + 1] = (t + 1) % CFG.vocab_size, prev, True
+            prev, k = k, k + 2
+        return tok, par, val
+
+
+@pytest.fixture(scope="module")
+def engines(policy, drafter):
+    """RolloutEngine per (drafter kind, depth, topk, verify tokens), tree decoding from the first step; kind None is
+    plain decoding (the reference)."""
+    cache = {}
+
+    def get(kind=None, depth=0, topk=0, n=0):
+        key = (kind, depth, topk, n)
+        if key not in cache:
+            spec = SpecConfig(depth=depth, topk=topk, verify_tokens=n, threshold=4) if kind else None
+            cache[key] = RolloutEngine(policy, drafter=drafter if kind == "eagle" else kind, spec=spec, **ENGINE)
+        return cache[key]
+
+    return get
+
+
+def _flat(res):
+    return np.concatenate([np.asarray(x) for row in res.logprobs for x in row])
+
+
+def _oracle_engine(engines, reference):
+    eng = engines("ngram", 4, 2, 9)
+    eng.ngram = Oracle(num_nodes=9, max_depth=4, reference={tuple(p): r[0] for p, r in zip(PROMPTS, reference,
+                                                                                           strict=True)})
+    return eng
+
+
+@pytest.mark.parametrize("depth,topk,n", [(3, 2, 6), (4, 3, 10), (2, 1, 3), (1, 1, 2)])
+def test_greedy_eagle_equals_plain(policy, engines, depth, topk, n):
+    params = SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True)
+    want = engines().generate(PROMPTS, params)
+    if depth == 3:  # plain decoding itself against re-forwarding the whole sequence for every token
+        assert want.tokens == [[t] for t in _greedy(policy, PROMPTS, 14)[0]]
+    res = engines("eagle", depth, topk, n).generate(PROMPTS, params)
+    assert res.tokens == want.tokens and set(res.stats["arms"]) == {f"tree/eagle/d{depth}k{topk}n{n}"}
+    np.testing.assert_allclose(_flat(res), _flat(want), atol=1e-5)
+
+
+def test_greedy_ngram_and_oracle_equal_plain_with_eos(engines):
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    want = engines().generate(PROMPTS, params)
+    res = engines("ngram", 3, 2, 6).generate(PROMPTS, params)
+    assert res.tokens == want.tokens
+    assert res.stats["spec"]["accepted_drafts"] >= 1  # the random model repeats itself, so lookup drafts get accepted
+    oracle = _oracle_engine(engines, want.tokens)
+    res = oracle.generate(PROMPTS, params)
+    assert res.tokens == want.tokens
+    st = res.stats
+    assert st["verify_steps"] <= 4 and st["mean_accept_length"] > 4.0  # (20 - 1) / 4 tokens per verify: all accepted
     # A stop token that occurs inside an accepted path: output truncated exactly as plain decoding truncates it.
-    stop = plain.tokens[2][6]
-    plain_eos = plain_generate(policy, PROMPTS, max_new_tokens=20, stop_tokens=(stop,))
-    assert len(plain_eos.tokens[2]) <= 7 and plain_eos.tokens[2][-1] == stop
-    spec_eos = speculative_generate(policy, PROMPTS, drafter=oracle, depth=4, num_nodes=9, max_new_tokens=20,
-                                    stop_tokens=(stop,))
-    assert spec_eos.tokens == plain_eos.tokens
+    stop = want.tokens[2][0][6]
+    eos = dataclasses.replace(params, ignore_eos=False, stop_token_ids=[stop])
+    want_eos = engines().generate(PROMPTS, eos)
+    assert len(want_eos.tokens[2][0]) <= 7 and want_eos.tokens[2][0][-1] == stop
+    assert oracle.generate(PROMPTS, eos).tokens == want_eos.tokens
 
 
-def test_sampled_speculative_reproduces_plain_sampling(policy, drafter):
+def test_sampled_speculative_reproduces_plain_sampling(engines):
     """Keys are per (request, sample, position), so Rule S with any drafter emits the very tokens plain sampling
     emits (up to floating point): a much stronger check than a distribution test, run for several drafters."""
-    kw = dict(max_new_tokens=16, temperature=1.0, top_k=0, top_p=0.9, seed=7, sample_ids=[0, 1, 2],
-              request_ids=[4, 4, 4], stop_tokens=())
-    plain = plain_generate(policy, PROMPTS, **kw)
-    oracle = _oracle(plain.tokens, 4, 9, CFG.vocab_size)
-    spec = speculative_generate(policy, PROMPTS, drafter=oracle, depth=4, num_nodes=9, **kw)
-    assert spec.tokens == plain.tokens and spec.mean_accept > 3.0
-    spec = speculative_generate(policy, PROMPTS, drafter=drafter, depth=3, topk=2, num_nodes=6, **kw)
-    assert spec.tokens == plain.tokens
-    ng = NgramDrafter(num_nodes=6, max_depth=3, group_ids=[0, 0, 0])
-    spec = speculative_generate(policy, PROMPTS, drafter=ng, depth=3, num_nodes=6, **kw)
-    assert spec.tokens == plain.tokens
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=7, ignore_eos=True)
+    rids = [4, 9, 2]
+    want = engines().generate(PROMPTS, params, request_ids=rids)
+    res = _oracle_engine(engines, want.tokens).generate(PROMPTS, params, request_ids=rids)
+    assert res.tokens == want.tokens and res.stats["mean_accept_length"] > 3.0
+    for kind in ("eagle", "ngram"):
+        res = engines(kind, 3, 2, 6).generate(PROMPTS, params, request_ids=rids)
+        assert res.tokens == want.tokens
+        np.testing.assert_allclose(_flat(res), _flat(want), atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------- n-gram

@@ -10,8 +10,8 @@ from flax import nnx
 from scipy.stats import chisquare
 
 from tlt_jax.models import CausalLM, KVCache, tiny_config
-from tlt_jax.rollout.sampling import processed_logprobs
-from tlt_jax.speculative import make_tree, verify_step
+from tlt_jax.sampling import processed_logprobs
+from tlt_jax.speculative import make_tree, verify_tree
 from tlt_jax.speculative.verify import depth_keys
 
 V = 8
@@ -22,6 +22,7 @@ ROOT = 4
 B = 20_000
 PARENT = np.array([-1, 0, 0, 0, 1, 1, 2, 2, 3, 3], np.int32)  # 3 children, 2 grandchildren each
 _make_tree = jax.jit(make_tree, static_argnums=3)
+verify_step = jax.jit(verify_tree, static_argnames=("max_depth", "attend_len"))
 
 
 def make_policy(seed):

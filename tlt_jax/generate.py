@@ -66,7 +66,7 @@ class Generation:
 
 def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
     """Next token [B] from logits [B, V]: greedy at temperature 0, else temperature / top-k / top-p sampling (a small
-    standalone helper; generation itself samples with tlt_jax.rollout.sampling)."""
+    standalone helper; generation itself samples with tlt_jax.sampling)."""
     if temperature <= 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature

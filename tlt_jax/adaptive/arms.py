@@ -11,7 +11,7 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.spec_steps import SpecConfig
 
 DRAFTERS = ("ngram", "eagle")
 _SHAPE = re.compile(r"^(\d+)x(\d+)x(\d+)$")

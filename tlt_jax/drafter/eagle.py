@@ -20,6 +20,9 @@ from flax import nnx
 from tlt_jax.models.config import ModelConfig, rope_inv_freq
 from tlt_jax.models.layers import DecoderLayer, param, rope_cos_sin
 from tlt_jax.models.transformer import build_new_token_mask
+from tlt_jax.speculative.tree import draft_head
+
+__all__ = ["DraftVocab", "EagleDrafter", "draft_head", "frequent_tokens", "num_trainable_params"]
 
 
 class DraftVocab(nnx.Variable):
@@ -27,7 +30,8 @@ class DraftVocab(nnx.Variable):
 
 
 class EagleDrafter(nnx.Module):
-    """Single-layer EAGLE drafter of the policy's shape (``cfg`` is the policy's config)."""
+    """Single-layer EAGLE drafter of the policy's shape (``cfg`` is the policy's config); a
+    ``tlt_jax.speculative.TreeDrafter``, so tree drafting and the rollout engine take it without importing it."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         h = cfg.hidden_size
@@ -76,19 +80,6 @@ class EagleDrafter(nnx.Module):
         x = self.fuse(policy.embed(next_tokens), features)
         h, _ = self.layer_forward(x, positions, mask)
         return h
-
-
-def draft_head(policy, drafter: EagleDrafter):
-    """(head, ids): ``head(h)`` gives LM-head logits over the draft vocabulary (all of it when ids is None); column j
-    is token ``ids[j]``. The head rows are gathered once per call (the policy may have been updated since)."""
-    ids = drafter.vocab_ids() if isinstance(drafter, EagleDrafter) else None
-    if ids is None:
-        return policy.logits_from_hidden, None
-    if policy.lm_head is None:
-        w = jnp.take(policy.embed_tokens[...], ids, axis=0).astype(policy.dtype)  # [Vd, H]
-    else:
-        w = jnp.take(policy.lm_head[...], ids, axis=1).T.astype(policy.dtype)
-    return (lambda h: jnp.einsum("...e,ve->...v", h, w)), ids
 
 
 def frequent_tokens(sequences, size: int, always=()) -> np.ndarray:

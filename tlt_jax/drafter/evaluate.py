@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.speculative.tree import drafter_extend, eagle_draft, init_draft_state
+from tlt_jax.speculative.tree import drafter_prefill, eagle_draft, init_draft_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +55,8 @@ def _chains(policy, drafter, ids, hidden, roots_at, *, depth: int):
     """[R, depth] top-1 drafts for rows that share one sequence (ids [R, P], hidden [R, P, H]) with roots at
     ``roots_at`` [R] (each row's drafter cache holds the pairs before its root)."""
     r, p = ids.shape
-    state = init_draft_state(policy.config, r, p + depth, hidden.dtype)
-    nxt = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
-    state = drafter_extend(policy, drafter, state, hidden, nxt, roots_at)
+    state = drafter_prefill(policy, drafter, init_draft_state(policy.config, r, p + depth, hidden.dtype), hidden, ids,
+                            roots_at)
     root = jnp.take_along_axis(ids, roots_at[:, None], axis=1)[:, 0]
     tree, _ = eagle_draft(policy, drafter, state, root, depth=depth, topk=1, num_nodes=depth + 1)
     return tree.tokens[:, 1:]

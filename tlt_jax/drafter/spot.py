@@ -6,8 +6,8 @@ changes nothing compiled. At the step boundary the replicas that trained are ave
 order; integer counters: max) into the next current state, kept on the host. Keys and batches depend only on
 (RL step, slice, local step), so the same dispatch decisions give the same weights.
 
-The drafter/train.py names used here (LossConfig, OptimConfig, TrainState, make_train_step) are all referenced in
-this block, the one place to rename them.
+The drafter/train.py names used here (DrafterLossConfig, DrafterOptimConfig, DrafterTrainState,
+make_drafter_train_step) are all imported in one block.
 """
 
 from __future__ import annotations
@@ -24,11 +24,16 @@ from jax.sharding import Mesh
 from tlt_jax.distributed import LogicalRules
 from tlt_jax.drafter.eagle import EagleDrafter
 from tlt_jax.drafter.export import export_eagle
-from tlt_jax.drafter.train import DrafterBatch, batch_sharding, init_train_state, make_optimizer
-from tlt_jax.drafter.train import LossConfig as _LossConfig
-from tlt_jax.drafter.train import OptimConfig as _OptimConfig
-from tlt_jax.drafter.train import TrainState as _TrainState
-from tlt_jax.drafter.train import make_train_step as _make_train_step
+from tlt_jax.drafter.train import (
+    DrafterBatch,
+    DrafterLossConfig,
+    DrafterOptimConfig,
+    DrafterTrainState,
+    batch_sharding,
+    init_drafter_train_state,
+    make_drafter_optimizer,
+    make_drafter_train_step,
+)
 
 
 class SpotTrainer:
@@ -40,25 +45,25 @@ class SpotTrainer:
     """
 
     def __init__(self, drafter: EagleDrafter, meshes: Sequence[Mesh], policy_for: Callable[[int], Any], *,
-                 optim: _OptimConfig = _OptimConfig(), loss: _LossConfig = _LossConfig(), seed: int = 0,
-                 rules: LogicalRules = LogicalRules()):
+                 optim: DrafterOptimConfig = DrafterOptimConfig(), loss: DrafterLossConfig = DrafterLossConfig(),
+                 seed: int = 0, rules: LogicalRules = LogicalRules()):
         if not meshes:
             raise ValueError("SpotTrainer needs at least one mesh slice")
         self.meshes, self.policy_for, self.seed = list(meshes), policy_for, int(seed)
         self._vocab = drafter.vocab_ids()
-        self.optimizer = make_optimizer(optim)
-        self.graphdef, host = init_train_state(drafter, self.optimizer)
-        self.current: _TrainState = jax.device_get(host)
+        self.optimizer = make_drafter_optimizer(optim)
+        self.graphdef, host = init_drafter_train_state(drafter, self.optimizer)
+        self.current: DrafterTrainState = jax.device_get(host)
         self._shardings, self._steps, self._batch_sh = [], [], []
         self.batch_multiple = [int(np.prod([m.shape[a] for a in rules.lookup("batch")])) for m in self.meshes]
         for m in self.meshes:
-            _, placed = init_train_state(drafter, self.optimizer, m, rules)
+            _, placed = init_drafter_train_state(drafter, self.optimizer, m, rules)
             self._shardings.append(jax.tree.map(lambda x: x.sharding, placed))
-            self._steps.append(_make_train_step(self.graphdef, self.optimizer, loss, m, rules))
+            self._steps.append(make_drafter_train_step(self.graphdef, self.optimizer, loss, m, rules))
             self._batch_sh.append(batch_sharding(m, rules))
         self._lock = threading.Lock()
         self.rl_step = 0
-        self.replicas: dict[int, _TrainState] = {}
+        self.replicas: dict[int, DrafterTrainState] = {}
         self.local_steps: dict[int, int] = {}
 
     @property

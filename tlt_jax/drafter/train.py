@@ -4,10 +4,10 @@ loss = value_weight * SmoothL1(ĥ_{t+1}, h_{t+1}) + prob_weight * CE(softmax(lm_
 masked to pairs whose input token x_{t+1} is a response token, normalised by the number of such pairs. Samples are
 packed into rows with segment ids: no attention across samples, positions are each sample's own positions.
 
-Options (``LossConfig``): ``vocab`` restricts the token loss to the drafter's draft vocabulary (target renormalised
-over it, as EAGLE-3 does; the LM head then costs |vocab| / V of the full one), ``unroll`` > 1 adds EAGLE-3's
-"training-time test": pass j feeds the drafter its own predicted features from pass j-1 (shifted one position, as at
-tree depth j) and is weighted ``unroll_decay ** (j - 1)``.
+Options (``DrafterLossConfig``): ``vocab`` restricts the token loss to the drafter's draft vocabulary (target
+renormalised over it, as EAGLE-3 does; the LM head then costs |vocab| / V of the full one), ``unroll`` > 1 adds
+EAGLE-3's "training-time test": pass j feeds the drafter its own predicted features from pass j-1 (shifted one
+position, as at tree depth j) and is weighted ``unroll_decay ** (j - 1)``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class DrafterBatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
+class DrafterLossConfig:
     value_weight: float = 1.0
     prob_weight: float = 0.1
     noise_std: float = 0.0  # EAGLE's uniform feature noise: (U(0,1) - 0.5) * noise_std * 512 / H
@@ -50,7 +50,7 @@ class LossConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig:
+class DrafterOptimConfig:
     learning_rate: float = 3e-4
     warmup_steps: int = 0
     decay_steps: int = 0  # > 0: cosine decay to 10% of the peak over this many steps (after the warm-up)
@@ -60,7 +60,7 @@ class OptimConfig:
     grad_clip: float = 0.5
 
 
-def make_optimizer(cfg: OptimConfig = OptimConfig()) -> optax.GradientTransformation:
+def make_drafter_optimizer(cfg: DrafterOptimConfig = DrafterOptimConfig()) -> optax.GradientTransformation:
     lr = cfg.learning_rate
     if cfg.decay_steps > 0:
         lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1),
@@ -131,7 +131,7 @@ def smooth_l1(x: jax.Array) -> jax.Array:
     return jnp.where(a < 1.0, 0.5 * x * x, a - 0.5)
 
 
-def drafter_loss(drafter, policy, batch: DrafterBatch, cfg: LossConfig = LossConfig(), key=None):
+def drafter_loss(drafter, policy, batch: DrafterBatch, cfg: DrafterLossConfig = DrafterLossConfig(), key=None):
     """Scalar loss and LossMetrics (of the first pass). The policy (embedding, LM head) is frozen: no gradient
     flows into it."""
     policy = jax.lax.stop_gradient(policy)
@@ -179,14 +179,14 @@ def _without_vocab(drafter):
     return drafter
 
 
-class TrainState(NamedTuple):
+class DrafterTrainState(NamedTuple):
     params: nnx.State
     opt_state: optax.OptState
     step: jax.Array
 
 
-def init_train_state(drafter, optimizer: optax.GradientTransformation, mesh: Mesh | None = None,
-                     rules: LogicalRules = LogicalRules()) -> tuple[nnx.GraphDef, TrainState]:
+def init_drafter_train_state(drafter, optimizer: optax.GradientTransformation, mesh: Mesh | None = None,
+                     rules: LogicalRules = LogicalRules()) -> tuple[nnx.GraphDef, DrafterTrainState]:
     """Split the drafter into (graphdef, params) and build the optimizer state. With a mesh, params are placed by
     their logical axes, Adam moments follow their params, scalars are replicated."""
     drafter = _without_vocab(drafter)
@@ -201,7 +201,7 @@ def init_train_state(drafter, optimizer: optax.GradientTransformation, mesh: Mes
         on_mesh = lambda x: isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
         opt_state = jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, rep), opt_state)
         step = jax.device_put(step, rep)
-    return graphdef, TrainState(params, opt_state, step)
+    return graphdef, DrafterTrainState(params, opt_state, step)
 
 
 def batch_sharding(mesh: Mesh, rules: LogicalRules = LogicalRules()) -> NamedSharding:
@@ -209,13 +209,13 @@ def batch_sharding(mesh: Mesh, rules: LogicalRules = LogicalRules()) -> NamedSha
     return NamedSharding(mesh, PartitionSpec(rules.lookup("batch") or None))
 
 
-def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                    loss_cfg: LossConfig = LossConfig(), mesh: Mesh | None = None,
+def make_drafter_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                    loss_cfg: DrafterLossConfig = DrafterLossConfig(), mesh: Mesh | None = None,
                     rules: LogicalRules = LogicalRules()):
     """A jitted ``step(state, policy, batch, key) -> (state, LossMetrics)``; with a mesh the batch is constrained
     to the data axes and the state keeps its sharding."""
 
-    def step(state: TrainState, policy, batch: DrafterBatch, key):
+    def step(state: DrafterTrainState, policy, batch: DrafterBatch, key):
         if mesh is not None:
             batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh, rules))
 
@@ -225,20 +225,21 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return TrainState(params, opt_state, state.step + 1), metrics
+        return DrafterTrainState(params, opt_state, state.step + 1), metrics
 
     return jax.jit(step, donate_argnums=(0,))
 
 
 def train_drafter(drafter, policy, batches: Sequence[DrafterBatch], steps: int, *,
-                  optim: OptimConfig = OptimConfig(), loss_cfg: LossConfig = LossConfig(), seed: int = 0,
-                  mesh: Mesh | None = None, log_every: int = 0, log=print):
+                  optim: DrafterOptimConfig = DrafterOptimConfig(),
+                  loss_cfg: DrafterLossConfig = DrafterLossConfig(), seed: int = 0, mesh: Mesh | None = None,
+                  log_every: int = 0, log=print):
     """Run ``steps`` steps cycling over ``batches``; returns (trained drafter, list of LossMetrics as floats)."""
-    optimizer = make_optimizer(optim)
-    graphdef, state = init_train_state(drafter, optimizer, mesh)
+    optimizer = make_drafter_optimizer(optim)
+    graphdef, state = init_drafter_train_state(drafter, optimizer, mesh)
     if mesh is not None:
         batches = [jax.device_put(b, batch_sharding(mesh)) for b in batches]
-    step_fn = make_train_step(graphdef, optimizer, loss_cfg, mesh)
+    step_fn = make_drafter_train_step(graphdef, optimizer, loss_cfg, mesh)
     key = jax.random.key(seed)
     history = []
     for i in range(steps):

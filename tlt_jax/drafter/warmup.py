@@ -5,14 +5,14 @@
         [--eval_prompts=16]
 
 Generates the policy's responses to GSM-style prompts (reasoning-gym ``gsm_symbolic`` training split, chat-templated
-as the policy sees them in RL), once per generation temperature, keeping the policy's final-normed features of every
-fed position from the generation itself (no second forward), packs (prompt, response) samples with segment ids,
-trains the EAGLE drafter (loss masked to response tokens; optional draft vocabulary of the most frequent tokens and
-training-time-test unroll, warm-up + cosine learning rate) and writes DIR/ (our format, ``load_drafter``, with the
-draft vocabulary) and DIR/eagle/ (EAGLE/SGLang layout). ``--model`` defaults to the embedded SmolLM2-135M-Instruct;
-``--model=tiny`` runs a random tiny model on synthetic prompts (seconds, for smoke tests). ``--engine_batch`` generates
-with the RolloutEngine (batched, then one feature forward); ``--samples`` keeps generations in pickles to reuse (several
-files are concatenated); ``--init`` continues an earlier drafter (its warmup.json is kept as ``init_summary``).
+as the policy sees them in RL) on the RolloutEngine (``--engine_batch`` rows per wave, default ``--batch_size``),
+once per generation temperature, computes the policy's final-normed features of prompt + response with one forward,
+packs (prompt, response) samples with segment ids, trains the EAGLE drafter (loss masked to response tokens; optional
+draft vocabulary of the most frequent tokens and training-time-test unroll, warm-up + cosine learning rate) and
+writes DIR/ (our format, ``load_drafter``, with the draft vocabulary) and DIR/eagle/ (EAGLE/SGLang layout).
+``--model`` defaults to the embedded SmolLM2-135M-Instruct; ``--model=tiny`` runs a random tiny model on synthetic
+prompts (seconds, for smoke tests). ``--samples`` keeps generations in pickles to reuse (several files are
+concatenated); ``--init`` continues an earlier drafter (its warmup.json is kept as ``init_summary``).
 ``--eval_prompts`` measures the trained drafter on held-out prompts (the eval split): the exact greedy chain accept
 length by draft depth (``tlt_jax.drafter.evaluate``), logged and kept in warmup.json.
 """
@@ -34,8 +34,18 @@ from flax import nnx
 
 from tlt_jax.drafter.eagle import EagleDrafter, frequent_tokens, num_trainable_params
 from tlt_jax.drafter.export import export_eagle, load_drafter, save_drafter
-from tlt_jax.drafter.train import LossConfig, OptimConfig, pack_sequences, train_drafter
-from tlt_jax.speculative.generate import pad_prompts, plain_generate
+from tlt_jax.drafter.train import DrafterLossConfig, DrafterOptimConfig, pack_sequences, train_drafter
+
+
+def pad_prompts(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded ids [B, max len] and lengths [B] of non-empty token lists."""
+    lens = np.array([len(p) for p in seqs], np.int32)
+    if lens.min() < 1:
+        raise ValueError("every sequence needs at least one token")
+    ids = np.zeros((len(seqs), int(lens.max())), np.int32)
+    for i, p in enumerate(seqs):
+        ids[i, : len(p)] = p
+    return ids, lens
 
 
 @jax.jit
@@ -63,41 +73,28 @@ def policy_hidden_states(policy, sequences: Sequence[Sequence[int]], batch_size:
 
 
 def generate_samples(policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, batch_size: int,
-                     temperatures: Sequence[float], seed: int, stop_tokens, capture_hidden: bool = True,
-                     engine_batch: int = 0, log=print):
+                     temperatures: Sequence[float], seed: int, stop_tokens, engine_batch: int = 0, log=print):
     """(prompt, response, features [T, H] of prompt + response) per prompt and temperature (policy generations).
 
-    ``engine_batch`` > 0: generate with the RolloutEngine (that many rows per wave, compaction; much faster than the
-    host loop at large batch) and recompute the features with one policy forward per ``batch_size`` sequences."""
+    The RolloutEngine generates (``engine_batch`` rows per wave, default ``batch_size``; compaction, one compiled
+    program per bucket), then one policy forward per ``batch_size`` sequences gives the features."""
+    from tlt_jax.rollout import RolloutEngine, SamplingParams
+
     t0 = time.perf_counter()
     out = []
-    if engine_batch:
-        from tlt_jax.rollout import RolloutEngine, SamplingParams
-
-        max_len = max(len(p) for p in prompts) + max_new_tokens + 1
-        engine = RolloutEngine(policy, max_batch=engine_batch, max_len=max_len)
-        for ti, temp in enumerate(temperatures):
-            res = engine.generate(prompts, SamplingParams(temperature=temp, max_new_tokens=max_new_tokens,
-                                                          seed=seed + ti, stop_token_ids=stop_tokens))
-            out += [(list(p), list(r[0]), None) for p, r in zip(prompts, res.tokens, strict=True)]
-            log(f"engine: {sum(len(r[0]) for r in res.tokens)} tokens at temperature {temp}, "
-                f"{res.stats['tokens_per_s']:.1f} tok/s")
-        capture_hidden = False
-    for ti, temp in enumerate(() if engine_batch else temperatures):
-        for i in range(0, len(prompts), batch_size):
-            chunk = [list(p) for p in prompts[i: i + batch_size]]
-            res = plain_generate(policy, chunk, max_new_tokens=max_new_tokens, temperature=temp, seed=seed + ti,
-                                 request_ids=list(range(i, i + len(chunk))), stop_tokens=stop_tokens,
-                                 return_hidden=capture_hidden)
-            hidden = res.hidden or [None] * len(chunk)
-            out += [(p, r, h) for p, r, h in zip(chunk, res.tokens, hidden, strict=True)]
-    n_tok = sum(len(r) for _, r, _ in out)
+    max_len = max(len(p) for p in prompts) + max_new_tokens + 1
+    engine = RolloutEngine(policy, max_batch=engine_batch or batch_size, max_len=max_len)
+    for ti, temp in enumerate(temperatures):
+        res = engine.generate(prompts, SamplingParams(temperature=temp, max_new_tokens=max_new_tokens,
+                                                      seed=seed + ti, stop_token_ids=stop_tokens))
+        out += [(list(p), list(r[0])) for p, r in zip(prompts, res.tokens, strict=True)]
+        log(f"engine: {sum(len(r[0]) for r in res.tokens)} tokens at temperature {temp}, "
+            f"{res.stats['tokens_per_s']:.1f} tok/s")
+    n_tok = sum(len(r) for _, r in out)
     log(f"generated {len(out)} responses ({n_tok} tokens) at temperatures {list(temperatures)} in "
         f"{time.perf_counter() - t0:.1f}s")
-    if not capture_hidden:
-        hidden = policy_hidden_states(policy, [p + r for p, r, _ in out], batch_size)
-        out = [(p, r, h) for (p, r, _), h in zip(out, hidden, strict=True)]
-    return out
+    hidden = policy_hidden_states(policy, [p + r for p, r in out], batch_size)
+    return [(p, r, h) for (p, r), h in zip(out, hidden, strict=True)]
 
 
 def draft_vocabulary(sequences, size: int, vocab_size: int) -> np.ndarray:
@@ -111,10 +108,10 @@ def draft_vocabulary(sequences, size: int, vocab_size: int) -> np.ndarray:
 
 def run_warmup(policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128, steps: int = 200,
                batch_size: int = 8, row_len: int = 512, rows_per_batch: int = 4, temperature: float = 0.7,
-               seed: int = 0, stop_tokens: Sequence[int] | None = None, optim: OptimConfig = OptimConfig(),
-               loss_cfg: LossConfig = LossConfig(), drafter: EagleDrafter | None = None, log=print,
-               temperatures: Sequence[float] | None = None, draft_vocab_size: int | None = None,
-               capture_hidden: bool = True, engine_batch: int = 0, generated=None):
+               seed: int = 0, stop_tokens: Sequence[int] | None = None,
+               optim: DrafterOptimConfig = DrafterOptimConfig(), loss_cfg: DrafterLossConfig = DrafterLossConfig(),
+               drafter: EagleDrafter | None = None, log=print, temperatures: Sequence[float] | None = None,
+               draft_vocab_size: int | None = None, engine_batch: int = 0, generated=None):
     """Generate, keep features, pack, train. Returns (drafter, loss history, (prompt, response) samples).
 
     ``temperatures``: generate every prompt once per temperature (default: ``(temperature,)``);
@@ -123,9 +120,8 @@ def run_warmup(policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int 
     temps = tuple(temperatures) if temperatures is not None else (temperature,)
     gen = generated if generated is not None else generate_samples(
         policy, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, temperatures=temps, seed=seed,
-        stop_tokens=stop_tokens, capture_hidden=capture_hidden, engine_batch=engine_batch, log=log)
+        stop_tokens=stop_tokens, engine_batch=engine_batch, log=log)
     samples = [(p, r) for p, r, _ in gen]
-    # Generation features stop before the last token (never fed): drop it, pairs need h_{t+1}.
     packed = [(np.asarray(p + r)[: len(h)], h, len(p)) for p, r, h in gen]
     drafter = drafter or EagleDrafter(policy.config, rngs=nnx.Rngs(seed))
     if draft_vocab_size:
@@ -165,8 +161,8 @@ def define_flags():
     flags.DEFINE_integer("num_prompts", 64, "GSM-style prompts to generate responses for")
     flags.DEFINE_integer("max_new_tokens", 128, "response length cap")
     flags.DEFINE_integer("steps", 200, "drafter optimiser steps")
-    flags.DEFINE_integer("batch_size", 8, "generation batch size (host loop; feature forward with --engine_batch)")
-    flags.DEFINE_integer("engine_batch", 0, "generate with the RolloutEngine at this batch (0 = host loop)")
+    flags.DEFINE_integer("batch_size", 8, "feature-forward batch (and generation batch when --engine_batch=0)")
+    flags.DEFINE_integer("engine_batch", 0, "RolloutEngine rows per wave (0 = --batch_size)")
     flags.DEFINE_integer("row_len", 512, "packed row length (pairs)")
     flags.DEFINE_integer("rows_per_batch", 4, "packed rows per training batch")
     flags.DEFINE_float("temperature", 0.7, "generation temperature (0 = greedy), unless --temperatures")
@@ -250,7 +246,7 @@ def main(argv):
     split = None if _FLAGS.model == "tiny" else "train"
     policy, prompts, stops = load_policy_and_prompts(_FLAGS.model, _FLAGS.num_prompts, _FLAGS.seed, split)
     temps = None if _FLAGS.temperatures is None else [float(t) for t in _FLAGS.temperatures]
-    optim = OptimConfig(learning_rate=_FLAGS.learning_rate, warmup_steps=_FLAGS.warmup_steps,
+    optim = DrafterOptimConfig(learning_rate=_FLAGS.learning_rate, warmup_steps=_FLAGS.warmup_steps,
                         decay_steps=max(_FLAGS.steps - _FLAGS.warmup_steps, 0) if _FLAGS.warmup_steps else 0)
     files = [pathlib.Path(f) for f in _FLAGS.samples or ()]
     generated, cache = None, None
@@ -271,7 +267,7 @@ def main(argv):
         policy, prompts, max_new_tokens=_FLAGS.max_new_tokens, steps=_FLAGS.steps, batch_size=_FLAGS.batch_size,
         row_len=_FLAGS.row_len, rows_per_batch=_FLAGS.rows_per_batch, temperature=_FLAGS.temperature,
         seed=_FLAGS.seed, stop_tokens=stops, optim=optim, temperatures=temps, engine_batch=_FLAGS.engine_batch,
-        draft_vocab_size=_FLAGS.draft_vocab or None, loss_cfg=LossConfig(unroll=_FLAGS.unroll),
+        draft_vocab_size=_FLAGS.draft_vocab or None, loss_cfg=DrafterLossConfig(unroll=_FLAGS.unroll),
         drafter=load_drafter(_FLAGS.init) if _FLAGS.init else None, generated=generated)
     out = pathlib.Path(_FLAGS.out)
     save_drafter(drafter, out)

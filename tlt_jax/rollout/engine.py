@@ -2,19 +2,18 @@
 survivors are compacted into the smallest batch bucket that holds them, attention reads only up to a cache-length
 bucket covering the longest live row. Runs on one (sub-)mesh; every compiled step comes from a keyed pool.
 
-Host loop (one device→host read per round trip: done flags + generated counts):
+Host loop (``tlt_jax.rollout.run.GenerateRun``; one device→host read of a ``StepInfo`` per round trip):
 
     prefill+fork (B rows) → [decode chunk (≤K steps) → read info → drop finished rows / compact]* → harvest
 
 With a drafter and a ``SpecConfig`` a chunk is a speculative round trip once the wave's live rows are at most
-``spec.threshold`` (tree draft → lossless verify → commit; see ``tlt_jax.rollout.speculative``); the switch re-runs
+``spec.threshold`` (tree draft → lossless verify → commit; see ``tlt_jax.rollout.spec_steps``); the switch re-runs
 nothing, the state carries over. Requests larger than ``max_batch`` rows run in consecutive waves of at most
 ``max_batch`` rows (no refill of freed slots inside a wave). Decode-state layout: see ``tlt_jax.rollout.state``.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -27,13 +26,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tlt_jax.distributed import LogicalRules, shard_module, single_device_mesh
-from tlt_jax.distributed.multihost import to_host
 from tlt_jax.models import CausalLM, rollout_copy
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.params import HiddenCapture, RolloutResult, SamplingParams
 from tlt_jax.rollout.pool import StepKey, StepPool
-from tlt_jax.rollout.speculative import SpecConfig, propose_ngram, register_spec, resolve_drafter
-from tlt_jax.rollout.state import RowInit
+from tlt_jax.rollout.run import GenerateRun
+from tlt_jax.rollout.spec_steps import SpecConfig, register_spec, resolve_drafter
 from tlt_jax.rollout.steps import StepContext, register_plain
 
 
@@ -277,7 +275,7 @@ class RolloutEngine:
         pool0 = self.pool.counters()
         n = int(params.n)
         stops = self._stop_ids(params)
-        run = _Run(self, prompts, max_new, request_ids, params, stops)
+        run = GenerateRun(self, prompts, max_new, request_ids, params, stops)
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
         for w0 in range(0, len(rows), self.max_batch):
             wave = rows[w0 : w0 + self.max_batch]
@@ -292,277 +290,3 @@ class RolloutEngine:
         st["pool_this_call"] = {k: pool1[k] - pool0[k] for k in ("compiles", "hits", "misses", "evictions")}
         st["compile_seconds_this_call"] = pool1["compile_seconds"] - pool0["compile_seconds"]
         return result
-
-
-class _Run:
-    """Host-side bookkeeping of one generate call (slots, harvests, stats)."""
-
-    def __init__(self, engine: RolloutEngine, prompts, max_new, request_ids, params: SamplingParams, stops):
-        self.e = engine
-        self.prompts, self.max_new, self.request_ids, self.params = prompts, max_new, request_ids, params
-        stop_row = np.full((engine.max_stop_tokens,), -1, np.int32)
-        stop_row[: len(stops)] = stops
-        self.stop_row, self.stops = stop_row, set(stops)
-        n_total = len(prompts) * params.n
-        self.final_n = np.zeros((n_total,), np.int64)
-        self.harvests: list[tuple[Any, Any, Any, np.ndarray, np.ndarray]] = []
-        self.chunks: list[dict] = []
-        self.prefills: list[dict] = []
-        self.compactions: list[dict] = []
-        self.switches: list[dict] = []
-        self.steps = 0
-        self.on_chunk: Callable[[int], None] | None = None
-        # n-gram drafting: every sample's generated tokens so far, kept from the info of each call (no extra read).
-        self.gen: list[list[int]] | None = [[] for _ in range(n_total)] if engine.ngram is not None else None
-
-    def _put(self, x: np.ndarray, replicated: bool = False):
-        sh = self.e.ctx.replicated() if replicated else self.e.ctx.batch_sharding(x.shape)
-        return jax.device_put(x, sh)
-
-    def wave(self, rows: list[tuple[int, int]]) -> None:
-        e, n = self.e, self.params.n
-        order = list(dict.fromkeys(i for i, _ in rows))
-        where = {i: k for k, i in enumerate(order)}
-        bp = bk.pick(e.batch_buckets, len(order))
-        plen = max(len(self.prompts[i]) for i in order)
-        p_bucket = bk.pick(e.length_buckets, plen)
-        ids = np.zeros((bp, p_bucket), np.int32)
-        lens = np.ones((bp,), np.int32)
-        for k, i in enumerate(order):
-            ids[k, : len(self.prompts[i])] = self.prompts[i]
-            lens[k] = len(self.prompts[i])
-        b = bk.pick(e.batch_buckets, len(rows))
-        r = len(rows)
-        slots = np.full((b,), -1, np.int64)
-        slots[:r] = [i * n + j for i, j in rows]
-        prompt_of = np.zeros((b,), np.int64)
-        prompt_of[:r] = [i for i, _ in rows]
-        sp = self.params
-
-        def col(values, dtype, fill):
-            a = np.full((b,), fill, dtype)
-            a[:r] = values
-            return a
-
-        init = RowInit(
-            src=col([where[i] for i, _ in rows], np.int32, 0),
-            valid=col([True] * r, bool, False),
-            max_new=col([self.max_new[i] for i, _ in rows], np.int32, 1),
-            temperature=np.full((b,), sp.temperature, np.float32),
-            top_k=np.full((b,), sp.top_k, np.int32),
-            top_p=np.full((b,), sp.top_p, np.float32),
-            seed=np.full((b,), sp.seed, np.uint32),
-            request_id=col([self.request_ids[i] for i, _ in rows], np.int32, 0),
-            sample_id=col([j for _, j in rows], np.int32, 0),
-            stop_ids=np.broadcast_to(self.stop_row, (b, e.max_stop_tokens)).copy(),
-        )
-        args = (e.step_params(), self._put(ids), self._put(lens), jax.tree.map(self._put, init))
-        exe = e.pool.get(StepKey("prefill", b, p_bucket, "plain", (bp,)), *args)
-        t0 = time.perf_counter()
-        state, info = exe(*args)
-        info = np.asarray(jax.device_get(info))
-        self.prefills.append(
-            dict(batch=b, prompts=bp, length=p_bucket, seconds=time.perf_counter() - t0, tokens=int(info[1].sum()))
-        )
-        self._keep_tokens(info, 2, np.zeros((b,), np.int64), slots)
-        plen_row = np.array([len(self.prompts[i]) for i in prompt_of], np.int64)
-        maxnew_row = np.array(init.max_new, np.int64)
-        k = e.chunk_size
-        wave_t0, spec_on = time.perf_counter(), False
-        while True:
-            done, ngen = info[0].astype(bool), info[1].astype(np.int64)
-            real = slots >= 0
-            live = ~done & real
-            n_live = int(live.sum())
-            if self.on_chunk is not None:
-                self.on_chunk(n_live)
-            if n_live == 0:
-                break
-            if e.compaction and bk.pick(e.batch_buckets, n_live) < b:
-                nb = bk.pick(e.batch_buckets, n_live)
-                keep = np.nonzero(live)[0]
-                self._harvest(state, done & real, slots, ngen)
-                idx = np.full((nb,), keep[0], np.int32)
-                idx[:n_live] = keep
-                ok = np.arange(nb) < n_live
-                cargs = (state, self._put(idx, True), self._put(ok, True))
-                cexe = e.pool.get(StepKey("compact", nb, 0, "plain", (b,)), *cargs)
-                t0 = time.perf_counter()
-                state, _ = cexe(*cargs)
-                self.compactions.append(dict(src=b, dst=nb, seconds=time.perf_counter() - t0))
-                slots = np.where(ok, slots[idx], -1)
-                plen_row, maxnew_row, ngen = plen_row[idx], maxnew_row[idx], ngen[idx]
-                done = np.where(ok, done[idx], True)
-                b = nb
-                live = ~done
-            committed = plen_row + ngen - 1
-            arm = e.arm_for(n_live, b)
-            if arm != "plain" and not spec_on:
-                spec_on = True
-                self.switches.append(dict(active=n_live, batch=b, after_seconds=time.perf_counter() - wave_t0))
-            # Cache positions a call reads: the committed length at its last (decode or verify) step.
-            ahead = k - 1 if arm == "plain" else (self._spec_steps() - 1) * (e.spec.depth + 1)
-            need = int(np.max(np.minimum(committed + ahead, plen_row + maxnew_row - 1)[live]))
-            length = bk.pick(e.length_buckets, max(need, 1))
-            t0 = time.perf_counter()
-            if arm == "plain":
-                key, args = StepKey("decode", b, length, arm), (e.step_params(), state)
-            elif e.ngram is not None:
-                tree = self._ngram_trees(live, slots)
-                key, args = StepKey("verify", b, length, arm), (e.step_params(), state, *map(self._put, tree))
-            else:
-                key, args = StepKey("verify", b, length, arm), (e.step_params(), state)
-            host_s = time.perf_counter() - t0
-            exe = e.pool.get(key, *args)
-            t0 = time.perf_counter()
-            state, info = exe(*args)
-            info = np.asarray(jax.device_get(info))
-            dt = time.perf_counter() - t0 + host_s
-            emitted = info[1].astype(np.int64) - ngen
-            chunk = dict(batch=b, active=n_live, length=length, arm=arm, seconds=dt, tokens=int(emitted.sum()))
-            if arm == "plain":
-                self.steps += int(emitted.max(initial=0))
-                self._keep_tokens(info, 2, ngen, slots)
-            else:
-                self.steps += int(info[2].max(initial=0))
-                chunk.update(
-                    verify_steps=int(info[2].max(initial=0)),
-                    row_verifies=int(info[2].sum()),
-                    accepted=int(info[3].sum()),
-                    host_seconds=host_s,
-                )
-                self._keep_tokens(info, 4, ngen, slots)
-            self.chunks.append(chunk)
-        done, ngen = info[0].astype(bool), info[1].astype(np.int64)
-        self._harvest(state, slots >= 0, slots, ngen)
-
-    def _spec_steps(self) -> int:
-        return 1 if self.e.ngram is not None else self.e.spec.steps_per_call
-
-    def _keep_tokens(self, info: np.ndarray, row0: int, ngen_before: np.ndarray, slots: np.ndarray) -> None:
-        """n-gram drafting: append each row's newly emitted tokens (info rows row0..) to its sample's history."""
-        if self.gen is None:
-            return
-        new = info[1].astype(np.int64) - ngen_before
-        for r in np.nonzero((new > 0) & (slots >= 0))[0]:
-            self.gen[slots[r]].extend(info[row0 : row0 + new[r], r].tolist())
-
-    def _ngram_trees(self, live: np.ndarray, slots: np.ndarray):
-        """Host n-gram trees for the batch: sources are each row's prompt + output and its GRPO group's other
-        samples (rows in the batch, and samples already finished or compacted away)."""
-        n = self.params.n
-        contexts, groups = [], []
-        for r, slot in enumerate(slots):
-            if slot < 0:
-                contexts.append(np.zeros((1,), np.int64))
-                groups.append(-1 - r)
-            else:
-                contexts.append(np.asarray(self.prompts[slot // n] + self.gen[slot], np.int64))
-                groups.append(int(slot // n))
-        in_batch = set(slots[slots >= 0].tolist())
-        for i in sorted({int(slots[r] // n) for r in np.nonzero(live)[0]}):
-            for slot in range(i * n, (i + 1) * n):
-                if slot not in in_batch and self.gen[slot]:
-                    contexts.append(np.asarray(self.prompts[i] + self.gen[slot], np.int64))
-                    groups.append(i)
-        return propose_ngram(self.e.ngram, self.e.spec, contexts, groups, live, tuple(sorted(self.stops)))
-
-    def _harvest(self, state, finished: np.ndarray, slots: np.ndarray, ngen: np.ndarray) -> None:
-        """Keep (on device, copying to host in the background) the outputs of rows that finished."""
-        rows = np.nonzero(finished)[0]
-        if rows.size == 0:
-            return
-        bufs = (state.tokens, state.logprobs, state.hidden)
-        for x in bufs:
-            if x is not None:
-                x.copy_to_host_async()
-        self.harvests.append((*bufs, rows, slots[rows]))
-        self.final_n[slots[rows]] = ngen[rows]
-
-    def assemble(self, n: int) -> RolloutResult:
-        e = self.e
-        num = len(self.prompts)
-        tokens: list[list[list[int]]] = [[[] for _ in range(n)] for _ in range(num)]
-        logprobs: list[list[list[float]]] = [[[] for _ in range(n)] for _ in range(num)]
-        reasons: list[list[str]] = [["length"] * n for _ in range(num)]
-        cap = e.capture
-        hidden = [[None] * n for _ in range(num)] if cap else None
-        hidden_start = [[0] * n for _ in range(num)] if cap else None
-        kept_bytes, dropped = 0, 0
-        for tok_ref, lp_ref, hid_ref, rows, slots in self.harvests:
-            tok, lp = to_host(tok_ref), to_host(lp_ref)  # gathered when the batch spans processes
-            hid = None if hid_ref is None else to_host(hid_ref)
-            for row, slot in zip(rows, slots, strict=True):
-                i, j = divmod(int(slot), n)
-                m = int(self.final_n[slot])
-                t = tok[row, :m].tolist()
-                tokens[i][j] = t
-                logprobs[i][j] = lp[row, :m].tolist()
-                reasons[i][j] = "stop" if t and t[-1] in self.stops else "length"
-                if hid is not None:
-                    w = min(cap.window, m)
-                    nbytes = w * hid.shape[-1] * 4
-                    if kept_bytes + nbytes > cap.max_bytes:
-                        dropped += 1
-                        continue
-                    kept_bytes += nbytes
-                    start = m - w if cap.side == "last" else 0
-                    sl = np.arange(start, start + w) % cap.window
-                    hidden[i][j] = np.array(hid[row, sl], np.float32)
-                    hidden_start[i][j] = start
-        stats = self._stats()
-        stats["total_tokens"] = int(self.final_n.sum())
-        if cap:
-            stats["hidden_bytes"] = kept_bytes
-            stats["hidden_dropped"] = dropped
-        return RolloutResult(tokens, logprobs, reasons, stats, hidden, hidden_start)
-
-    def _stats(self) -> dict[str, Any]:
-        e = self.e
-        decode_s = sum(c["seconds"] for c in self.chunks)
-        tail_s = sum(c["seconds"] for c in self.chunks if c["active"] <= e.tail_threshold)
-        by_batch: dict[int, dict[str, float]] = {}
-        for c in self.chunks:
-            d = by_batch.setdefault(c["batch"], dict(seconds=0.0, tokens=0, chunks=0))
-            d["seconds"] += c["seconds"]
-            d["tokens"] += c["tokens"]
-            d["chunks"] += 1
-        for d in by_batch.values():
-            d["tokens_per_s"] = d["tokens"] / d["seconds"] if d["seconds"] > 0 else 0.0
-        spec = [c for c in self.chunks if c["arm"] != "plain"]
-        on_s = sum(c["seconds"] for c in spec)
-        row_verifies = sum(c["row_verifies"] for c in spec)
-        spec_tokens = sum(c["tokens"] for c in spec)
-        prefill_s = sum(p["seconds"] for p in self.prefills)
-        total = int(self.final_n.sum())
-        return dict(
-            steps=self.steps,
-            tokens_per_s=total / (prefill_s + decode_s) if prefill_s + decode_s > 0 else 0.0,
-            arms=dict(collections.Counter(c["arm"] for c in self.chunks)),
-            sd_on_seconds=on_s,
-            sd_off_seconds=decode_s - on_s,
-            verify_steps=sum(c["verify_steps"] for c in spec),
-            mean_accept_length=spec_tokens / row_verifies if row_verifies else 0.0,
-            spec=dict(
-                arm=e.spec_arm,
-                drafter=e.drafter_kind,
-                threshold=e.spec.threshold if e.spec else None,
-                switches=self.switches,
-                row_verifies=row_verifies,
-                accepted_drafts=sum(c["accepted"] for c in spec),
-                mean_accepted_drafts=sum(c["accepted"] for c in spec) / row_verifies if row_verifies else 0.0,
-                tokens=spec_tokens,
-                host_seconds=sum(c["host_seconds"] for c in spec),
-            ),
-            chunk_size=e.chunk_size,
-            chunks=self.chunks,
-            prefills=self.prefills,
-            compactions=self.compactions,
-            prefill_seconds=prefill_s,
-            decode_seconds=decode_s,
-            decode_tokens=sum(c["tokens"] for c in self.chunks),
-            by_batch=dict(sorted(by_batch.items(), reverse=True)),
-            tail_threshold=e.tail_threshold,
-            tail_seconds=tail_s,
-            tail_share=tail_s / decode_s if decode_s > 0 else 0.0,
-        )

@@ -29,10 +29,11 @@ token_keys(seed, request_id, sample_id, position).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from tlt_jax.distributed import LogicalRules
@@ -72,9 +73,43 @@ class DecodeState:
     def active(self) -> jax.Array:
         return ~self.done
 
-    def info(self) -> jax.Array:
-        """[2, B] int32 (done, num_generated): the one thing the host reads back per chunk."""
-        return jnp.stack([self.done.astype(jnp.int32), self.num_generated])
+
+
+class StepInfo(NamedTuple):
+    """What the host reads back after every compiled step, by name. On device it travels packed into one int32 array
+    [rows, B] (``pack``: a single device-to-host transfer per round trip); the host rebuilds it with ``unpack``.
+
+    done [B]: finished or padding. num_generated [B]: tokens emitted so far. verifies [B]: verify steps the row took
+    part in, accepted [B]: accepted draft tokens (both only after speculative steps, else None). tokens [R, B]: the
+    tokens the call emitted, -1 padded (only when the host drafts, n-gram; else None).
+    """
+
+    done: Any
+    num_generated: Any
+    verifies: Any = None
+    accepted: Any = None
+    tokens: Any = None
+
+    def pack(self) -> jax.Array:
+        rows = [self.done.astype(jnp.int32)[None], self.num_generated.astype(jnp.int32)[None]]
+        if self.verifies is not None:
+            rows += [self.verifies.astype(jnp.int32)[None], self.accepted.astype(jnp.int32)[None]]
+        if self.tokens is not None:
+            rows.append(self.tokens.astype(jnp.int32))
+        return jnp.concatenate(rows, axis=0)
+
+    @classmethod
+    def unpack(cls, packed: np.ndarray, speculative: bool) -> StepInfo:
+        """Host view of a packed array (``speculative``: it came from a verify step)."""
+        a = np.asarray(packed)
+        base = 4 if speculative else 2
+        return cls(
+            done=a[0].astype(bool),
+            num_generated=a[1].astype(np.int64),
+            verifies=a[2].astype(np.int64) if speculative else None,
+            accepted=a[3].astype(np.int64) if speculative else None,
+            tokens=a[base:] if a.shape[0] > base else None,
+        )
 
 
 @jax.tree_util.register_dataclass

@@ -12,7 +12,7 @@ decode step appends the pair (policy hidden of the fed token, sampled token), so
 point without re-running the policy. With ``report_tokens`` (host-side n-gram drafting) info also carries the tokens
 the call emitted.
 
-Every step returns (state, info [2(+R), B] int32 = done, num_generated[, R emitted tokens]): the one host read per
+Every step returns (state, info): a packed ``StepInfo`` (done, num_generated[, R emitted tokens]), the one host read per
 round trip.
 """
 
@@ -29,9 +29,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tlt_jax.distributed import LogicalRules
 from tlt_jax.models import KVCache, ModelConfig
 from tlt_jax.rollout.pool import StepKey, StepPool
-from tlt_jax.rollout.sampling import processed_logprobs, sample_from_logprobs, token_keys
-from tlt_jax.rollout.state import DecodeState, RowInit, empty_state, gather_rows, tree_shardings
-from tlt_jax.speculative.tree import DraftState, drafter_extend, init_draft_state
+from tlt_jax.rollout.state import DecodeState, RowInit, StepInfo, empty_state, gather_rows, tree_shardings
+from tlt_jax.sampling import sample_tokens, token_keys
+from tlt_jax.speculative.tree import DraftState, drafter_extend, drafter_prefill, init_draft_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,18 +88,9 @@ class StepContext:
 
 
 def choose_tokens(logits: jax.Array, state: DecodeState, positions: jax.Array) -> jax.Array:
-    """Sample each row's next token from its processed distribution (counter-based keys); a greedy-only batch
-    takes the argmax directly (the same token the processed one-hot gives), skipping sort and Gumbel noise."""
-
-    def greedy(_):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sample(_):
-        keys = token_keys(state.seed, state.request_id, state.sample_id, positions)
-        logp = processed_logprobs(logits, state.temperature, state.top_k, state.top_p)
-        return sample_from_logprobs(keys, logp)
-
-    return jax.lax.cond(jnp.all(state.temperature <= 0.0), greedy, sample, None)
+    """Sample each row's next token from its processed distribution (counter-based keys at ``positions``)."""
+    keys = token_keys(state.seed, state.request_id, state.sample_id, positions)
+    return sample_tokens(logits, keys, state.temperature, state.top_k, state.top_p)
 
 
 def record(state: DecodeState, tok: jax.Array, logits: jax.Array, hidden: jax.Array, side: str) -> DecodeState:
@@ -148,25 +139,24 @@ def decode_one(model, state: DecodeState, length: int, side: str, drafter=None) 
     return new
 
 
-def step_info(state: DecodeState, ngen_before: jax.Array | None = None, width: int = 0) -> jax.Array:
-    """[2 + width, B] int32: done, num_generated, then (with width) the tokens emitted since ``ngen_before``
-    (-1 padded): what the host reads back after a call."""
-    info = state.info()
-    if not width:
-        return info
-    idx = ngen_before[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-    tok = jnp.take_along_axis(state.tokens, jnp.clip(idx, 0, state.tokens.shape[1] - 1), axis=1)
-    tok = jnp.where(idx < state.num_generated[:, None], tok, -1)
-    return jnp.concatenate([info, tok.T.astype(jnp.int32)], axis=0)
+def step_info(state: DecodeState, ngen_before: jax.Array | None = None, width: int = 0, *, verifies=None,
+              accepted=None) -> jax.Array:
+    """The packed ``StepInfo`` the host reads back after a call: done, num_generated, (speculative steps) verifies and
+    accepted drafts, and (with width) the ``width`` tokens emitted since ``ngen_before``, -1 padded."""
+    tokens = None
+    if width:
+        idx = ngen_before[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+        tok = jnp.take_along_axis(state.tokens, jnp.clip(idx, 0, state.tokens.shape[1] - 1), axis=1)
+        tokens = jnp.where(idx < state.num_generated[:, None], tok, -1).T
+    return StepInfo(state.done, state.num_generated, verifies, accepted, tokens).pack()
 
 
 def _prefill_drafter(ctx: StepContext, model, drafter, out, ids, lens, init: RowInit, hidden, tok) -> DraftState:
     """Drafter cache over the prompt: pairs (h_t, x_{t+1}) for t < P-1 once per prompt, forked into the rows, then
     each row's pair (h_{P-1}, first sampled token)."""
     bp, p = ids.shape
-    nxt = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
     ds = init_draft_state(ctx.config, bp, p, ctx.cache_dtype)
-    ds = drafter_extend(model, drafter, ds, out.hidden, nxt, lens - 1)
+    ds = drafter_prefill(model, drafter, ds, out.hidden, ids, lens - 1)
     forked = ds.cache.gather(init.src)
     pad = ((0, 0), (0, 0), (0, ctx.drafter_len - p), (0, 0), (0, 0))
     cache = KVCache(jnp.pad(forked.k, pad), jnp.pad(forked.v, pad), forked.lengths)
@@ -246,7 +236,7 @@ def build_compact(ctx: StepContext, key: StepKey):
     def step(state: DecodeState, rows, valid):
         s = gather_rows(state, rows)
         s = s.replace(done=s.done | ~valid)
-        return s, s.info()
+        return s, step_info(s)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
     return jax.jit(step, out_shardings=out_sh)

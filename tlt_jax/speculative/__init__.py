@@ -1,23 +1,18 @@
-"""Tree speculative decoding: tree format, EAGLE-2 drafting, n-gram drafting, lossless verification, KV commit."""
+"""Tree speculative decoding kernels: tree format, EAGLE-2 drafting (any ``TreeDrafter``), n-gram drafting, lossless
+verification, KV commit. Generation loops live in the rollout engine (``tlt_jax.rollout``); ``reference`` holds the
+numpy oracles. Imports only ``tlt_jax.models`` and ``tlt_jax.sampling``."""
 
-from tlt_jax.speculative.generate import (
-    GenerateResult,
-    drafter_prefill,
-    eagle_step,
-    plain_generate,
-    plain_step,
-    prefill_step,
-    speculative_generate,
-    verify_step,
-)
 from tlt_jax.speculative.ngram import NgramDrafter
 from tlt_jax.speculative.tree import (
     DraftState,
     Tree,
+    TreeDrafter,
     ancestor_matrix,
     chain_tree,
     check_tree,
+    draft_head,
     drafter_extend,
+    drafter_prefill,
     eagle_draft,
     from_first_child_next_sibling,
     init_draft_state,
@@ -39,31 +34,26 @@ from tlt_jax.speculative.verify import (
 __all__ = [
     "Acceptance",
     "DraftState",
-    "GenerateResult",
     "NgramDrafter",
     "Tree",
+    "TreeDrafter",
     "VerifyOutput",
     "accept_tree",
     "ancestor_matrix",
     "chain_tree",
     "check_tree",
     "depth_keys",
+    "draft_head",
     "drafter_extend",
     "drafter_prefill",
     "eagle_draft",
-    "eagle_step",
     "from_first_child_next_sibling",
     "init_draft_state",
     "make_tree",
-    "plain_generate",
-    "plain_step",
-    "prefill_step",
     "sample_tree",
     "select_tree",
-    "speculative_generate",
     "tree_forward",
     "tree_positions",
     "truncate",
-    "verify_step",
     "verify_tree",
 ]

@@ -11,6 +11,7 @@ tokens among valid nodes: top-k children guarantee it for EAGLE, the n-gram draf
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,38 @@ def check_tree(tree: Tree) -> None:
 # ----------------------------------------------------------------------------------------------- EAGLE-2 drafting
 
 
+@runtime_checkable
+class TreeDrafter(Protocol):
+    """What EAGLE-2 drafting needs of a drafter (``tlt_jax.drafter.EagleDrafter`` is one); the policy's embedding and
+    LM head are passed separately, so drafting never imports a drafter implementation.
+
+    config: the policy's ModelConfig. fuse(token_emb, feature): the drafter input of pairs (x_{t+1}, h_t).
+    layer_forward(x, positions, new_mask, k_cache, v_cache, cache_mask): (predicted features, (k, v) of the new
+    tokens). vocab_ids(): the draft vocabulary [Vd] int32, or None for the full vocabulary.
+    """
+
+    config: object
+
+    def fuse(self, token_emb: jax.Array, feature: jax.Array) -> jax.Array: ...
+
+    def layer_forward(self, x, positions, new_mask, k_cache=None, v_cache=None, cache_mask=None): ...
+
+    def vocab_ids(self) -> jax.Array | None: ...
+
+
+def draft_head(policy, drafter: TreeDrafter):
+    """(head, ids): ``head(h)`` gives LM-head logits over the draft vocabulary (all of it when ids is None); column j
+    is token ``ids[j]``. The head rows are gathered once per call (the policy may have been updated since)."""
+    ids = drafter.vocab_ids()
+    if ids is None:
+        return policy.logits_from_hidden, None
+    if policy.lm_head is None:
+        w = jnp.take(policy.embed_tokens[...], ids, axis=0).astype(policy.dtype)  # [Vd, H]
+    else:
+        w = jnp.take(policy.lm_head[...], ids, axis=1).T.astype(policy.dtype)
+    return (lambda h: jnp.einsum("...e,ve->...v", h, w)), ids
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftState:
@@ -182,8 +215,6 @@ def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: i
     drafter (``EagleDrafter.set_draft_vocab``) the LM head runs over those tokens only. ``head``: a precomputed
     ``draft_head(policy, drafter)`` (callers that draft several times per compiled call gather the rows once).
     """
-    from tlt_jax.drafter.eagle import draft_head
-
     cfg = policy.config
     head, ids = draft_head(policy, drafter) if head is None else head
     vocab = cfg.vocab_size if ids is None else ids.shape[0]
@@ -275,6 +306,15 @@ def drafter_extend(policy, drafter, state: DraftState, hidden: jax.Array, next_t
     last = _gather(h, jnp.maximum(count - 1, 0)[:, None].astype(jnp.int32))[:, 0]
     feature = jnp.where((count > 0)[:, None], last.astype(state.feature.dtype), state.feature)
     return DraftState(cache, feature)
+
+
+def drafter_prefill(policy, drafter, state: DraftState, hidden: jax.Array, ids: jax.Array,
+                    count: jax.Array) -> DraftState:
+    """Extend the drafter over a known sequence: pairs (h_t, ids_{t+1}) for t < count[b] (hidden [B, T, H] the
+    policy's features of ids [B, T]). The engine's prefill (count = prompt length - 1) and the offline acceptance
+    profile (count = the root's position) both build the drafter state this way."""
+    nxt = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
+    return drafter_extend(policy, drafter, state, hidden, nxt, count)
 
 
 def init_draft_state(cfg, batch: int, max_len: int, dtype=jnp.float32) -> DraftState:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models.kv_cache import KVCache
-from tlt_jax.rollout.sampling import processed_logprobs, sample_from_logprobs, token_keys
+from tlt_jax.sampling import processed_logprobs, sample_from_logprobs, sample_tokens, token_keys
 from tlt_jax.speculative.tree import Tree, _gather, ancestor_matrix, tree_positions
 
 
@@ -64,16 +64,8 @@ def sample_tree(logits: jax.Array, tree: Tree, keys: jax.Array, temperature, top
     b, n, _ = logits.shape
     bcast = lambda x: jnp.broadcast_to(jnp.asarray(x).reshape(-1, 1) if jnp.ndim(x) else x, (b, n))
     temperature, top_k, top_p = bcast(temperature), bcast(top_k), bcast(top_p)
-
-    def greedy(_):  # all-greedy batch: the argmax directly (what the processed one-hot gives), no sort or noise
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sample(_):
-        logp = processed_logprobs(logits, temperature, top_k, top_p)
-        node_keys = jnp.take_along_axis(keys, jnp.clip(tree.depth, 0, keys.shape[1] - 1), axis=1)
-        return sample_from_logprobs(node_keys, logp)
-
-    return jax.lax.cond(jnp.all(temperature <= 0.0), greedy, sample, None)
+    node_keys = jnp.take_along_axis(keys, jnp.clip(tree.depth, 0, keys.shape[1] - 1), axis=1)
+    return sample_tokens(logits, node_keys, temperature, top_k, top_p)
 
 
 def accept_tree(tree: Tree, samples: jax.Array, max_depth: int) -> Acceptance:

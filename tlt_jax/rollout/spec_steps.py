@@ -12,8 +12,8 @@ over, and (EAGLE) the drafter cache in ``DecodeState.aux`` was kept current by e
 
 EAGLE runs up to ``steps_per_call`` verify steps per host round trip (``lax.while_loop``, early exit when every row is
 done); the n-gram arm runs one, since the host builds each tree from the tokens of the previous one.
-Info read back per call: [4 (+ R), B] int32 = done, num_generated, verify steps the row took part in, accepted draft
-tokens, then (n-gram) the R = depth + 1 tokens emitted.
+Info read back per call: a packed ``StepInfo`` with verifies and accepted set, and (n-gram) the R = depth + 1 tokens
+emitted.
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.drafter.eagle import draft_head
 from tlt_jax.rollout.pool import StepKey, StepPool
 from tlt_jax.rollout.state import DecodeState
 from tlt_jax.rollout.steps import StepContext, step_info
 from tlt_jax.speculative.ngram import NgramDrafter
-from tlt_jax.speculative.tree import DraftState, Tree, drafter_extend, eagle_draft, make_tree
+from tlt_jax.speculative.tree import DraftState, Tree, TreeDrafter, draft_head, drafter_extend, eagle_draft, make_tree
 from tlt_jax.speculative.verify import VerifyOutput, depth_keys, verify_tree
 
 
@@ -128,11 +127,6 @@ def verify_rows(model, state: DecodeState, tree: Tree, spec: SpecConfig, length:
     )
 
 
-def _spec_info(state: DecodeState, verifies, accepted, ngen=None, width: int = 0) -> jax.Array:
-    info = step_info(state, ngen, width)
-    return jnp.concatenate([info[:2], jnp.stack([verifies, accepted]).astype(jnp.int32), info[2:]], axis=0)
-
-
 def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
     """Key: ("verify", B, Lb, arm). Args: (policy, drafter) params, DecodeState [B] (donated). Up to steps_per_call
     EAGLE-2 draft → verify → commit → drafter extend rounds."""
@@ -167,7 +161,7 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
             return i + 1, s, nv + active, acc + jnp.where(active, alen, 0)
 
         _, state, nv, acc = jax.lax.while_loop(cond, body, (jnp.int32(0), state, zero, zero))
-        return state, _spec_info(state, nv, acc)
+        return state, step_info(state, verifies=nv, accepted=acc)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
     return jax.jit(step, donate_argnums=(1,), out_shardings=out_sh)
@@ -186,7 +180,7 @@ def build_verify_ngram(ctx: StepContext, spec: SpecConfig, key: StepKey):
         out = verify_rows(model, state, tree, spec, length)
         state = commit_verify(state, out, ctx.capture_side)
         acc = jnp.where(active, out.accept_len, 0)
-        return state, _spec_info(state, active.astype(jnp.int32), acc, ngen, spec.depth + 1)
+        return state, step_info(state, ngen, spec.depth + 1, verifies=active.astype(jnp.int32), accepted=acc)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
     return jax.jit(step, donate_argnums=(1,), out_shardings=out_sh)
@@ -227,9 +221,8 @@ def propose_ngram(
 
 def resolve_drafter(drafter: Any, spec: SpecConfig | None, cfg) -> tuple[str | None, SpecConfig | None, Any]:
     """(kind, spec, drafter) from the engine arguments: kind "eagle" | "ngram" | None; spec defaults to SpecConfig()
-    when a drafter is given; an NgramDrafter instance serves as the template of the n-gram options."""
-    from tlt_jax.drafter.eagle import EagleDrafter
-
+    when a drafter is given; an NgramDrafter instance serves as the template of the n-gram options; an EAGLE drafter
+    is anything that implements ``TreeDrafter`` (``tlt_jax.drafter.EagleDrafter``)."""
     if drafter is None:
         if spec is not None:
             raise ValueError("spec was given without a drafter: pass drafter=EagleDrafter(...) or drafter='ngram'")
@@ -244,7 +237,7 @@ def resolve_drafter(drafter: Any, spec: SpecConfig | None, cfg) -> tuple[str | N
         return "ngram", spec, NgramDrafter(num_nodes=spec.verify_tokens, max_depth=spec.depth)
     if isinstance(drafter, NgramDrafter):
         return "ngram", spec, drafter
-    if isinstance(drafter, EagleDrafter):
+    if isinstance(drafter, TreeDrafter):
         d = drafter.config
         for f in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(d, f) != getattr(cfg, f):

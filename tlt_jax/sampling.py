@@ -1,7 +1,8 @@
 """Token sampling shared by plain decoding and tree verification (one code path, so verification stays exact).
 
 Sampling parameters are per-row arrays, so one compiled step serves rows with different settings. Randomness is
-counter-based: the key of a token depends only on (seed, request id, sample index, position).
+counter-based: the key of a token depends only on (seed, request id, sample index, position). A leaf module (jax
+only): the rollout engine's steps and the speculative verifier both sample through it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,20 @@ def sample_from_logprobs(keys: jax.Array, logp: jax.Array) -> jax.Array:
     flat_keys = keys.reshape(-1)
     g = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(flat_keys).reshape(logp.shape)
     return jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """Plain decoding's token choice for logits [..., V] (keys of shape logits.shape[:-1]): a Gumbel-max sample of
+    ``processed_logprobs``. When every row is greedy it takes the argmax directly (the token the processed one-hot
+    gives) and skips the full-vocabulary sort and the noise."""
+
+    def greedy(_):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sample(_):
+        return sample_from_logprobs(keys, processed_logprobs(logits, temperature, top_k, top_p))
+
+    return jax.lax.cond(jnp.all(jnp.asarray(temperature) <= 0.0), greedy, sample, None)
 
 
 def token_keys(seed: jax.Array, request_ids: jax.Array, sample_ids: jax.Array, positions: jax.Array) -> jax.Array:

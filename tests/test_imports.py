@@ -1,0 +1,116 @@
+"""The package graph is acyclic: no module of tlt_jax.X imports (at module or function level) tlt_jax.Y while a
+module of tlt_jax.Y imports tlt_jax.X, directly or through other packages. Static (ast), so lazy imports count too.
+
+Layering this keeps: models < sampling < speculative < rollout < drafter tooling (warm-up, evaluation) < generate /
+main; a top-level module (tlt_jax/config.py) is a package of its own.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "tlt_jax"
+
+
+def module_imports(root: Path) -> dict[str, set[str]]:
+    """{module: the modules of the package rooted at ``root`` it imports}, every import statement in the file."""
+    top = root.name
+    files = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        is_pkg = parts[-1] == "__init__"
+        files[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    out: dict[str, set[str]] = {}
+    for name, (path, is_pkg) in files.items():
+        here = name if is_pkg else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = here.split(".")
+                    pkg = pkg[: len(pkg) - node.level + 1]
+                    base = ".".join(pkg + ([base] if base else []))
+                targets.add(base)
+                targets.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import submodule`
+        out[name] = {t for t in targets if t in files and (t == top or t.startswith(top + "."))}
+    return out
+
+
+def package_of(module: str) -> str:
+    """tlt_jax.rollout.engine -> tlt_jax.rollout; tlt_jax.config -> tlt_jax.config."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_cycles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """Cycles between packages (at least one through every package on a cycle), each hop as
+    'pkg -> pkg (module imports module)'."""
+    witness: dict[tuple[str, str], tuple[str, str]] = {}
+    for src, dsts in sorted(imports.items()):
+        for dst in sorted(dsts, key=lambda d: (-d.count("."), d)):  # name the submodule, not its package
+            a, b = package_of(src), package_of(dst)
+            if a != b and b != src.split(".")[0]:
+                witness.setdefault((a, b), (src, dst))
+    graph = collections.defaultdict(set)
+    for a, b in witness:
+        graph[a].add(b)
+    cycles, seen = [], set()
+    for start in sorted(graph):
+        if start in seen:
+            continue
+        path = _find_cycle(graph, start)
+        if path:
+            seen.update(path)
+            hops = zip(path, path[1:] + path[:1], strict=True)
+            cycles.append([f"{a} -> {b} ({witness[a, b][0]} imports {witness[a, b][1]})" for a, b in hops])
+    return cycles
+
+
+def _find_cycle(graph, start) -> list[str] | None:
+    """Shortest cycle through ``start`` (breadth-first), as the list of packages on it."""
+    prev, frontier = {start: None}, [start]
+    while frontier:
+        nxt = []
+        for u in frontier:
+            for v in sorted(graph[u]):
+                if v == start:
+                    path = [u]
+                    while prev[path[-1]] is not None:
+                        path.append(prev[path[-1]])
+                    return path[::-1]
+                if v not in prev:
+                    prev[v] = u
+                    nxt.append(v)
+        frontier = nxt
+    return None
+
+
+def test_no_import_cycles_between_packages():
+    cycles = package_cycles(module_imports(ROOT))
+    assert not cycles, "import cycles between packages:\n" + "\n\n".join("\n".join(c) for c in cycles)
+
+
+def test_detector_sees_function_level_and_relative_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    for d in ("a", "b", "c"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "top.py").write_text("import os\n")
+    (pkg / "a" / "x.py").write_text("from pkg.b import y\n")
+    (pkg / "b" / "y.py").write_text("def f():\n    from ..c import z\n    return z\n")
+    (pkg / "c" / "z.py").write_text("from pkg import top\n")
+    imports = module_imports(pkg)
+    assert imports["pkg.b.y"] == {"pkg.c", "pkg.c.z"} and imports["pkg.c.z"] == {"pkg", "pkg.top"}
+    assert package_cycles(imports) == []
+    (pkg / "c" / "w.py").write_text("import pkg.a.x\n")
+    (cycle,) = package_cycles(module_imports(pkg))
+    assert cycle == [
+        "pkg.a -> pkg.b (pkg.a.x imports pkg.b.y)",
+        "pkg.b -> pkg.c (pkg.b.y imports pkg.c.z)",
+        "pkg.c -> pkg.a (pkg.c.w imports pkg.a.x)",
+    ]
