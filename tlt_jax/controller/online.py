@@ -123,7 +123,7 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
     import jax
 
     from tlt_jax.config import ConfigError
-    from tlt_jax.drafter.train import OptimConfig
+    from tlt_jax.drafter.train import DrafterOptimConfig
     from tlt_jax.rollout import HiddenCapture
 
     r, d = cfg.rollout, cfg.drafter
@@ -149,7 +149,7 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
     trainer = buffer = None
     if d.online:
         trainer = SpotTrainer(engine_kwargs["drafter"], rollout.meshes, rollout.policy,
-                              optim=OptimConfig(learning_rate=d.lr), seed=cfg.train.seed)
+                              optim=DrafterOptimConfig(learning_rate=d.lr), seed=cfg.train.seed)
         need = max(trainer.batch_multiple)
         if d.rows % need:
             rollout.close()
