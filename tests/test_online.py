@@ -1,0 +1,98 @@
+"""TLT's adaptive drafter in the main job (configs/tiny.py, 8 simulated CPU devices): online drafter training and
+rollout slices leave the RL run unchanged, the drafter state resumes exactly, and online training raises the accept
+length of a fresh drafter."""
+
+import json
+
+import numpy as np
+import pytest
+from test_main import _assert_same_metrics, _cfg, _tiny_drafter, _train_rows
+
+from tlt_jax.config import ConfigError
+from tlt_jax.controller import TIMELINE_FILE
+from tlt_jax.main import run
+
+# Small EAGLE trees (fast compiles); the tiny policy's 16-token responses are captured whole.
+TREE = ("--config.rollout.speculative=eagle", "--config.rollout.spec_depth=3", "--config.rollout.spec_topk=2",
+        "--config.rollout.spec_verify_tokens=6", "--config.drafter.row_len=64", "--config.drafter.window=16")
+QUIET = ("--config.eval.at_start=False", "--config.metrics.tensorboard=False")
+# What may differ between runs that sample the same tokens: timings, speculation and drafter-training counters.
+SPEC_ONLY = ("rollout/", "drafter/", "controller/")
+
+
+def _rl_only(row):
+    return {k: v for k, v in row.items() if not k.startswith(SPEC_ONLY)}
+
+
+def _exported_weights(workdir):
+    from safetensors.numpy import load_file
+
+    return load_file(str(workdir / "drafter_eagle" / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_online_drafter_and_slices_leave_rl_metrics_unchanged(tmp_path):
+    """Same drafter to start with: online training off / on (1 slice) and on with 2 slices give identical rewards,
+    losses and KL at every step (verification is lossless and sampling keys follow the prompt's global index);
+    drafter steps, controller times and the timeline are recorded, the adapted drafter is exported."""
+    drafter = _tiny_drafter(_cfg("tiny.py"), tmp_path / "drafter")
+    common = ("--config.train.num_steps=3", *QUIET, *TREE, f"--config.rollout.drafter_path={drafter}")
+    runs = {
+        "off": (),
+        "on": ("--config.drafter.online=True", "--config.drafter.lr=3e-3"),
+        "on2": ("--config.drafter.online=True", "--config.drafter.lr=3e-3", "--config.rollout.num_slices=2"),
+    }
+    for name, overrides in runs.items():
+        run(_cfg("tiny.py", *common, *overrides), str(tmp_path / name))
+    rows = {name: _train_rows(tmp_path / name) for name in runs}
+    for step in (1, 2, 3):
+        for name in ("on", "on2"):
+            _assert_same_metrics(_rl_only(rows["off"][step]), _rl_only(rows[name][step]), (name, step))
+            r = rows[name][step]
+            assert r["drafter/steps"] >= 4 and np.isfinite(r["drafter/loss"]), (name, step, r)
+            assert r["drafter/buffer_tokens"] > 0 and r["drafter/dropped"] == 0
+            assert r["controller/busy_s"] > 0 and r["controller/train_s"] > 0
+        assert "drafter/steps" not in rows["off"][step]
+    assert rows["on"][3]["drafter/total_steps"] == 12  # 4 steps after each rollout (steps_without_idle)
+    timeline = [json.loads(line) for line in (tmp_path / "on2" / TIMELINE_FILE).read_text().splitlines()]
+    assert {(t["step"], t["slice"]) for t in timeline} == {(s, i) for s in (1, 2, 3) for i in (0, 1)}
+    assert {t["state"] for t in timeline} >= {"busy", "training"}
+    for name in ("on", "on2"):
+        assert sorted(_exported_weights(tmp_path / name)) == sorted(_exported_weights(tmp_path / "on"))
+    assert not (tmp_path / "off" / "drafter_eagle").exists()
+
+
+@pytest.mark.slow
+def test_resume_restores_the_drafter_exactly(tmp_path):
+    """A run stopped after step 2 and resumed equals the uninterrupted run, drafter loss and weights included (the
+    drafter's params + optimizer state are in the checkpoint, its data buffer next to it)."""
+    common = (*QUIET, *TREE, "--config.drafter.online=True", "--config.drafter.lr=3e-3",
+              "--config.checkpoint.every_steps=2")
+    run(_cfg("tiny.py", *common, "--config.train.num_steps=4"), str(tmp_path / "full"))
+    run(_cfg("tiny.py", *common, "--config.train.num_steps=2"), str(tmp_path / "cut"))
+    assert sorted(p.name for p in (tmp_path / "cut" / "drafter_buffer").iterdir()) == ["step_2.npz"]
+    run(_cfg("tiny.py", *common, "--config.train.num_steps=4"), str(tmp_path / "cut"))
+    full, cut = _train_rows(tmp_path / "full"), _train_rows(tmp_path / "cut")
+    for step in (3, 4):
+        keep = lambda r: {k: v for k, v in r.items() if not k.startswith(("controller/", "rollout/"))}
+        _assert_same_metrics(keep(full[step]), keep(cut[step]), step)
+        assert full[step]["rollout/accept_length"] == cut[step]["rollout/accept_length"]
+    a, b = _exported_weights(tmp_path / "full"), _exported_weights(tmp_path / "cut")
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_online_config_errors(tmp_path):
+    """Keys that cannot work name themselves and the fix, before any compile."""
+    with pytest.raises(ConfigError, match=r"config.drafter.online: .*rollout.speculative='off'.*speculative=eagle"):
+        _cfg("tiny.py", "--config.drafter.online=True")
+    with pytest.raises(ConfigError, match=r"config.rollout.drafter_path: .*needs a drafter dir.*drafter.online=True"):
+        _cfg("tiny.py", "--config.rollout.speculative=eagle")
+    with pytest.raises(ConfigError, match=r"config.rollout.num_slices: must be >= 1"):
+        _cfg("tiny.py", "--config.rollout.num_slices=0")
+    with pytest.raises(ConfigError, match=r"config.drafter.buffer_bytes: must be > 0"):
+        _cfg("tiny.py", "--config.drafter.buffer_bytes=0")
+    with pytest.raises(ConfigError, match=r"config.rollout.num_slices: 3 does not divide the mesh's data axis \(8"):
+        run(_cfg("tiny.py", *QUIET, "--config.rollout.num_slices=3", "--config.train.num_steps=1"), str(tmp_path))
+    with pytest.raises(ConfigError, match=r"config.drafter.rows: 4 does not split over a slice's 8 .*multiple of 8"):
+        run(_cfg("tiny.py", *QUIET, *TREE, "--config.drafter.online=True", "--config.drafter.rows=4",
+                 "--config.train.num_steps=1"), str(tmp_path / "b"))
