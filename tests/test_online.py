@@ -17,7 +17,7 @@ TREE = ("--config.rollout.speculative=eagle", "--config.rollout.spec_depth=3", "
         "--config.rollout.spec_verify_tokens=6", "--config.drafter.row_len=64", "--config.drafter.window=16")
 QUIET = ("--config.eval.at_start=False", "--config.metrics.tensorboard=False")
 # What may differ between runs that sample the same tokens: timings, speculation and drafter-training counters.
-SPEC_ONLY = ("rollout/", "drafter/", "controller/")
+SPEC_ONLY = ("rollout/", "drafter/", "controller/", "buffer/")
 
 
 def _rl_only(row):
