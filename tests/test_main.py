@@ -84,7 +84,11 @@ def test_workdir_outputs(tmp_path, capsys):
     header = next(line for line in out.splitlines() if line.split()[:2] == ["step", "reward"])
     for col in ("acc", "len p50", "p90", "max", "rollout s", "tail s", "reward s", "train s", "tok/s"):
         assert col in header
-    assert "final evaluation accuracy:" in out
+    assert "final evaluation accuracy:" in out and f"plots in {tmp_path / 'plots'}" in out
+    assert (tmp_path / "plots" / "reward.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "response_lengths.png").stat().st_size > 0
+    lengths = [json.loads(line) for line in (tmp_path / "lengths.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lengths] == [1, 2] and all(len(r["lengths"]) == 32 for r in lengths)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["train"]["num_steps"] == 2 and saved["model"]["source"] == "tiny"
     rows = read_metrics(str(tmp_path))

@@ -96,3 +96,23 @@ def test_online_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"config.drafter.rows: 4 does not split over a slice's 8 .*multiple of 8"):
         run(_cfg("tiny.py", *QUIET, *TREE, "--config.drafter.online=True", "--config.drafter.rows=4",
                  "--config.train.num_steps=1"), str(tmp_path / "b"))
+
+
+@pytest.mark.slow
+def test_online_training_raises_the_accept_length_of_a_fresh_drafter(tmp_path):
+    """From a freshly initialised drafter, while the tiny policy converges on its target token: with 8 drafter steps
+    after every rollout the accept length climbs; with none (steps_without_idle=0 on one slice: no slice is ever
+    idle) it stays where a random drafter is."""
+    common = ("--config.train.num_steps=16", *QUIET, *TREE, "--config.drafter.online=True", "--config.drafter.lr=3e-3",
+              "--config.checkpoint.every_steps=100")
+    run(_cfg("tiny.py", *common, "--config.drafter.steps_without_idle=8"), str(tmp_path / "adapt"))
+    run(_cfg("tiny.py", *common, "--config.drafter.steps_without_idle=0"), str(tmp_path / "static"))
+    acc = {name: [r["rollout/accept_length"] for _, r in sorted(_train_rows(tmp_path / name).items())]
+           for name in ("adapt", "static")}
+    steps = {name: [r["drafter/steps"] for r in _train_rows(tmp_path / name).values()] for name in acc}
+    assert set(steps["adapt"]) == {8.0} and set(steps["static"]) == {0.0}
+    print({k: np.round(v, 2).tolist() for k, v in acc.items()})
+    first, last = (lambda a: np.mean(a[:3])), (lambda a: np.mean(a[-3:]))
+    assert last(acc["adapt"]) > first(acc["adapt"]) + 0.5, acc
+    assert abs(last(acc["static"]) - first(acc["static"])) < 0.25, acc
+    assert last(acc["adapt"]) > 1.5 * last(acc["static"]), acc

@@ -294,6 +294,9 @@ def run(cfg, workdir: str) -> dict[str, float]:
         reduce_metrics,
     )
     from tlt_jax.metrics import ConsoleTable, MetricsWriter, Progress
+    from tlt_jax.metrics.plots import write_plots
+    from tlt_jax.metrics.records import append_lengths, drop_steps_after
+    from tlt_jax.metrics.writers import COLUMNS
     from tlt_jax.rl.learner import GRPOLearner
 
     t_start = time.perf_counter()
@@ -365,7 +368,12 @@ def run(cfg, workdir: str) -> dict[str, float]:
 
     writer = MetricsWriter(workdir, tensorboard=cfg.metrics.tensorboard, resume_step=start) if primary else NullWriter()
     writer.write_config(config_json)
-    table = ConsoleTable(speculative=cfg.rollout.speculative != "off")
+    if primary:
+        drop_steps_after(workdir, start)  # lengths / timeline rows of steps redone after a resume
+    drafter_cols = (("drafter", "drafter/steps", "{:>7.0f}"), ("draft s", "controller/train_s", "{:>7.2f}"))
+    table = ConsoleTable(
+        speculative=cfg.rollout.speculative != "off", columns=COLUMNS + (drafter_cols if cfg.drafter.online else ())
+    )
     progress = Progress(cfg.train.num_steps, start, enabled=cfg.metrics.progress_bars and primary)
     if not primary:
         progress.write = lambda line: None
@@ -399,6 +407,9 @@ def run(cfg, workdir: str) -> dict[str, float]:
             metrics["time/elapsed_s"] = time.perf_counter() - t_start
             metrics = reduce_metrics(metrics)
             writer.write(step, metrics)
+            if primary:
+                append_lengths(workdir, step, learner.last_lengths)
+                write_plots(workdir)
             progress.end_step()
             table.print(dict(metrics, step=step), write=progress.write)
             consecutive = consecutive + 1 if metrics["train/nonfinite_step"] else 0
@@ -421,7 +432,7 @@ def run(cfg, workdir: str) -> dict[str, float]:
         writer.write(cfg.train.num_steps, final, kind="final")
         progress.write(
             f"final evaluation accuracy: {final['eval/accuracy']:.4f} on {len(data.eval)} held-out prompts "
-            f"(greedy; total {final['time/total_s']:.0f} s)"
+            f"(greedy; total {final['time/total_s']:.0f} s); plots in {os.path.join(workdir, 'plots')}"
         )
     finally:
         progress.close()

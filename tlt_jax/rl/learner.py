@@ -174,6 +174,7 @@ class GRPOLearner:
         t_train = time.perf_counter() - t3
 
         lengths = np.array([len(c) for comps in res.tokens for c in comps], np.float64)
+        self.last_lengths = lengths.astype(int).tolist()  # every response length of this step (lengths.jsonl)
         stats = res.stats
         total_tokens = float(stats.get("total_tokens", lengths.sum()))
         metrics = {
