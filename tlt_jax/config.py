@@ -219,6 +219,7 @@ class DrafterConfig:
     steps_without_idle: int = 4
     rows: int = 8
     row_len: int = 256
+    hot_swap: bool = False  # publish each drafter step to the slices still decoding (at their next chunk)
 
     def validate(self, key: str) -> None:
         _require(self.lr > 0 and not math.isnan(self.lr), f"{key}.lr", f"must be > 0, got {self.lr}")

@@ -83,6 +83,7 @@ class Controller:
         local = [0] * self.rollout.num_slices
         inflight: set[concurrent.futures.Future] = set()
         train_metrics: list[dict[str, float]] = []
+        swaps = 0
 
         def submit(kind: str, s: int, fn, *args) -> None:
             fut = self.rollout.workers[s].submit(fn, *args)
@@ -114,6 +115,12 @@ class Controller:
                 dispatch(sched.rollout_done(s, t, can_train=ready))
             else:
                 train_metrics.append(fut.result())
+                busy = sched.busy() if self.cfg.hot_swap else []
+                if busy:  # engines read their drafter at every chunk: the swap lands at the next chunk boundary
+                    drafter = self.trainer.replica_drafter(s)
+                    for b in busy:
+                        self.rollout.engines[b].set_drafter(drafter)
+                    swaps += len(busy)
                 if sched.train_step_done(s, t):
                     dispatch([s])
         if error is not None:
@@ -121,6 +128,8 @@ class Controller:
                 self.trainer.replicas.clear()
             raise error
         metrics = sched.finish(now())
+        if self.cfg.hot_swap:
+            metrics["controller/hot_swaps"] = float(swaps)
         if training:
             metrics.update(self.trainer.end_step())
             for name in ("drafter/loss", "drafter/top1"):

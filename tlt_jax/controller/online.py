@@ -145,7 +145,7 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
     except ValueError as e:
         raise ConfigError(f"config.rollout.num_slices: {e}") from e
     ccfg = ControllerConfig(train_drafter=d.online, steps_without_idle=d.steps_without_idle, row_len=d.row_len,
-                            rows=d.rows)
+                            rows=d.rows, hot_swap=d.hot_swap)
     trainer = buffer = None
     if d.online:
         trainer = SpotTrainer(engine_kwargs["drafter"], rollout.meshes, rollout.policy,

@@ -27,13 +27,15 @@ BUSY, IDLE, TRAINING = "busy", "idle", "training"
 class ControllerConfig:
     """min_idle_slices: idle slices needed before drafter steps are dispatched. steps_without_idle: drafter steps on
     slice 0 after the rollout ends. train_drafter: False = never dispatch (slices just idle). row_len / rows:
-    the packed batch shape of every drafter step (fixed: no recompiles)."""
+    the packed batch shape of every drafter step (fixed: no recompiles). hot_swap: after every drafter step, the
+    slice's replica goes to the engines still decoding (used from their next chunk; lossless, so samples stay)."""
 
     train_drafter: bool = True
     min_idle_slices: int = 1
     steps_without_idle: int = 0
     row_len: int = 256
     rows: int = 4
+    hot_swap: bool = False
 
     def __post_init__(self):
         if self.min_idle_slices < 1:

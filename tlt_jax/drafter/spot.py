@@ -124,6 +124,16 @@ class SpotTrainer:
             d.set_draft_vocab(np.asarray(self._vocab))
         return d
 
+    def replica_drafter(self, s: int) -> EagleDrafter:
+        """Slice ``s``'s replica of this RL step as a module (arrays on slice s's mesh), for a hot swap into the
+        engines still decoding; the step's averaged drafter replaces it at the step boundary."""
+        with self._lock:
+            state = self.replicas[s]
+        d = nnx.merge(self.graphdef, state.params)
+        if self._vocab is not None:
+            d.set_draft_vocab(np.asarray(self._vocab))
+        return d
+
     def state_tree(self) -> dict[str, np.ndarray]:
         """Trainable drafter params + optimizer state + step count as a flat dict of arrays (an orbax pytree)."""
         if self.replicas:
