@@ -122,6 +122,10 @@ def test_online_training_raises_the_accept_length_of_a_fresh_drafter(tmp_path):
     assert last(acc["adapt"]) > first(acc["adapt"]) + 0.5, acc
     assert abs(last(acc["static"]) - first(acc["static"])) < 0.25, acc
     assert last(acc["adapt"]) > 1.5 * last(acc["static"]), acc
+    # drafter/top1: agreement with the policy on the step's own responses, which the scoring drafter never saw.
+    top1 = {name: [r["drafter/top1"] for _, r in sorted(_train_rows(tmp_path / name).items())] for name in acc}
+    print({k: np.round(v, 2).tolist() for k, v in top1.items()})
+    assert last(top1["adapt"]) > first(top1["adapt"]) + 0.3 and last(top1["static"]) < 0.3, top1
 
 
 @pytest.mark.slow

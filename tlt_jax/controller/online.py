@@ -36,6 +36,7 @@ class ControlledRollout:
         self.trainer: SpotTrainer | None = controller.trainer
         self.buffer: DrafterBuffer | None = controller.buffer
         self._step: int | None = None
+        self._eval = None
         self.metrics: dict[str, float] = {}
 
     # ---- the engine surface the learner uses -----------------------------------------------------------------
@@ -56,16 +57,36 @@ class ControlledRollout:
         if self._step is None:
             return self.rollout.generate(prompts, params, request_ids=request_ids, on_chunk=on_chunk)
         step, self._step = self._step, None
+        before = None if self.trainer is None else self.trainer.current.params  # the drafter of this rollout
         res, m = self.controller.run_step(step, prompts, params, request_ids=request_ids, on_chunk=on_chunk)
         if self.buffer is not None:
             m["drafter/buffer_tokens"] = float(sum(s.ids.size for s in self.buffer.samples))
             m["drafter/dropped"] = float(self.buffer.dropped)
         if self.trainer is not None:
             m.setdefault("drafter/loss", float("nan"))
-            m.setdefault("drafter/top1", float("nan"))
+            m["drafter/train_top1"] = m.pop("drafter/top1", float("nan"))
+            m["drafter/top1"] = self.heldout_top1(step, before)
             self.publish_drafter()
         self.metrics = m
         return res
+
+    def heldout_top1(self, step: int, params) -> float:
+        """Top-1 agreement with the policy of the drafter with ``params`` (the one that drafted step ``step``, which
+        never trained on that step's responses) on a batch of this step's buffered responses: held-out data."""
+        import jax
+        from flax import nnx
+
+        from tlt_jax.drafter.train import drafter_loss, pack_sequences
+
+        cfg = self.controller.cfg
+        fresh = [(s.ids, s.hidden, 1) for s in self.buffer.samples if s.step == step][: cfg.rows * cfg.row_len]
+        if not fresh:
+            return float("nan")
+        if self._eval is None:
+            graphdef = self.trainer.graphdef
+            self._eval = jax.jit(lambda p, policy, b: drafter_loss(nnx.merge(graphdef, p), policy, b)[1].top1)
+        batch = pack_sequences(fresh, cfg.row_len, cfg.rows)
+        return float(self._eval(params, self.rollout.policy(0), batch))
 
     def publish_drafter(self) -> None:
         """The trainer's current drafter to every slice's engine (used from the next generate on)."""
