@@ -74,7 +74,9 @@ class Policy:
         if self.threshold and not self.arms:
             raise ValueError("Policy.threshold > 0 needs at least one speculative arm: pass arms=((1, Arm(...)),)")
         if self.arms and (self.arms[0][0] != 1 or list(self.arms) != sorted(self.arms, key=lambda a: a[0])):
-            raise ValueError("Policy.arms must be sorted by min_live and start at min_live=1 (every live count needs one)")
+            raise ValueError(
+                "Policy.arms must be sorted by min_live and start at min_live=1 (each live count needs an arm)"
+            )
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -160,8 +162,9 @@ class Trace:
         self.keys |= other.keys
 
 
-def simulate_wave(max_new: Sequence[int], prompt_lens: Sequence[int], policy: Policy, costs: StepCosts,
-                  group: int = 1) -> Trace:
+def simulate_wave(
+    max_new: Sequence[int], prompt_lens: Sequence[int], policy: Policy, costs: StepCosts, group: int = 1
+) -> Trace:
     """One wave (<= max_batch rows; ``group`` consecutive rows share a prompt, the GRPO fork). max_new counts every
     generated token including the prefill's first one, as SamplingParams.max_new_tokens does."""
     r = len(max_new)
@@ -232,8 +235,9 @@ def simulate_wave(max_new: Sequence[int], prompt_lens: Sequence[int], policy: Po
     return tr
 
 
-def simulate(max_new: Sequence[int], prompt_lens: Sequence[int], policy: Policy, costs: StepCosts,
-             group: int = 1) -> Trace:
+def simulate(
+    max_new: Sequence[int], prompt_lens: Sequence[int], policy: Policy, costs: StepCosts, group: int = 1
+) -> Trace:
     """An engine's generate call: consecutive waves of at most max_batch rows (rows in request order)."""
     if len(max_new) != len(prompt_lens) or not max_new:
         raise ValueError(f"max_new ({len(max_new)}) and prompt_lens ({len(prompt_lens)}) need one entry per row")
@@ -259,7 +263,9 @@ class Staleness:
     def accept(self, s: float) -> float:
         if s < 1:
             raise ValueError(f"staleness counts policy updates since the drafter's data, >= 1; got {s}")
-        return self.stale + (self.fresh - self.stale) * math.exp(-(s - 1) / self.tau) if math.isfinite(s) else self.stale
+        if not math.isfinite(s):
+            return self.stale
+        return self.stale + (self.fresh - self.stale) * math.exp(-(s - 1) / self.tau)
 
 
 def mean_staleness(idle_s: float, demand_s: float, run_steps: int) -> float:

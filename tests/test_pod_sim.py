@@ -43,8 +43,9 @@ def test_two_requests_plain_exact_time():
 
 def test_speculative_switch_at_threshold_exact_time():
     arm = ps.Arm(depth=3, topk=1, verify_tokens=4, accept=2.0)
-    policy = ps.Policy(max_batch=2, max_len=64, chunk_size=8, batch_buckets=(2, 1), threshold=1, steps_per_call=2,
-                       arms=((1, arm),))
+    policy = ps.Policy(
+        max_batch=2, max_len=64, chunk_size=8, batch_buckets=(2, 1), threshold=1, steps_per_call=2, arms=((1, arm),)
+    )
     tr = ps.simulate([3, 20], [4, 4], policy, LinearCosts())
     # as above until one row is live (t = 18.75), then 11 tokens at 2 per verify: 3 calls of 2 verify steps (7 s each)
     assert tr.switch_s == [pytest.approx(18.75)]
