@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from tlt_jax.rollout import buckets as bk
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's tlt_jax, also when run as a script
+
+from tlt_jax.rollout import buckets as bk  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,3 +284,100 @@ def mean_staleness(idle_s: float, demand_s: float, run_steps: int) -> float:
 def scale_accept(arms: Sequence[tuple[int, Arm]], accept_at: Callable[[Arm], float]) -> tuple[tuple[int, Arm], ...]:
     """The same schedule with each arm's acceptance replaced by accept_at(arm)."""
     return tuple((m, dataclasses.replace(a, accept=accept_at(a))) for m, a in arms)
+
+
+# ---- command line: CPU validation, GPU-pod projections, checks against the paper -----------------------------------
+
+PAPER_TABLE4_64 = {1: 3.62, 2: 3.38, 4: 2.98, 8: 2.27, 16: 1.91, 32: 1.70}  # Qwen-32B, TP 4, 64 verify tokens
+PAPER_NODES = {"Qwen2.5-7B": {8: 1.21, 16: 1.45, 32: 1.62, 64: 1.76}, "Qwen2.5-32B": {32: 1.83, 64: 2.12}}
+
+
+def _print_projection(rows: list[dict]) -> None:
+    print(
+        "| model | devices (engines) | max batch | plain rollout / step s | static: accept, step x | TLT: accept, "
+        "rollout x, step x | idle device-s (TLT) | drafter demand device-s |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        p, s, t = r["plain"], r["static"], r["tlt"]
+        print(
+            f"| {r['model']} | {r['devices']} ({r['engines']}) | {p['max_batch']:.0f} | {p['rollout_s']:.0f} / "
+            f"{p['step_s']:.0f} | {s['accept']:.2f}, {s['step_speedup']:.2f}x | {t['accept']:.2f}, "
+            f"{t['rollout_speedup']:.2f}x, {t['step_speedup']:.2f}x | {t['idle_device_s']:.0f} | "
+            f"{r['drafter_demand_s']:.0f} |"
+        )
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    import os
+    import platform
+    import time
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="tiny,smollm2", help="CPU validation models ('' to skip)")
+    ap.add_argument("--rounds", type=int, default=3, help="validation rounds (calibrate, then a measured run)")
+    ap.add_argument("--reps", type=int, default=5, help="timed calls per cost key and round (median)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pod_sim.json"))
+    args = ap.parse_args(argv)
+    import jax
+    import pod_sim_roofline as rf
+
+    jax.config.update("jax_compilation_cache_dir", str(Path(__file__).resolve().parents[1] / ".jax_cache"))
+    results = dict(
+        command="python benchmarks/pod_sim.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        validation=[],
+    )
+    out = Path(args.out)
+    if args.models:
+        import pod_sim_measure as pm
+
+        for name in args.models.split(","):
+            results["validation"].append(pm.validate(name, rounds=args.rounds, reps=args.reps))
+            out.write_text(json.dumps(results, indent=1))
+    arm = Arm(depth=8, topk=4, verify_tokens=48, accept=6.53)  # TLT's default tree and threshold
+    st = Staleness()
+    setups = [(rf.QWEN25_7B, 4, 512), (rf.QWEN25_32B, 8, 2048)]
+    results["projection"] = dict(
+        hardware=dataclasses.asdict(rf.H100),
+        tree=arm.name,
+        threshold=32,
+        staleness=dataclasses.asdict(st),
+        run_steps=100,
+        prompt_len=256,
+        max_response=32768,
+        lengths="rollout_tail.tail_lengths: log-normal, median max/8, sigma 1, longest at the max; seeds 0, 1, 2",
+        rows=[],
+    )
+    for model, tp, responses in setups:
+        rows = rf.projection_table(model, tp, responses, 32768, 256, arm=arm, staleness=st, run_steps=100)
+        for r in rows:
+            r["paper_step_speedup"] = PAPER_NODES.get(model.name, {}).get(r["devices"])
+        results["projection"]["rows"] += rows
+    results["paper_checks"] = dict(
+        table2_7b_h100_bs1_plain_ms=dict(
+            paper=1e3 / 164.65, model=1e3 * rf.Roofline(rf.QWEN25_7B, rf.H100, 1, 2048).policy(1, 1, 2048)
+        ),
+        table4_32b_tp4_64_tokens=[
+            dict(batch=b, paper=v, model=rf.sd_speedup_check(rf.QWEN25_32B, 4, b, Arm(10, 4, 64, 8.29)))
+            for b, v in PAPER_TABLE4_64.items()
+        ],
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    for v in results["validation"]:
+        print(
+            f"validation {v['model']}: predicted {v['predicted_median_s']:.2f}s, measured {v['measured_median_s']:.2f}s"
+            f" ({100 * v['error_of_medians']:+.1f}%)"
+        )
+    _print_projection(results["projection"]["rows"])
+    print(json.dumps(results["paper_checks"], indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
