@@ -363,6 +363,7 @@ def main(argv=None) -> int:
         for r in rows:
             r["paper_step_speedup"] = PAPER_NODES.get(model.name, {}).get(r["devices"])
         results["projection"]["rows"] += rows
+    results["sensitivity"] = rf.sensitivity(64, arm=arm, staleness=st, run_steps=100)
     results["paper_checks"] = dict(
         table2_7b_h100_bs1_plain_ms=dict(
             paper=1e3 / 164.65, model=1e3 * rf.Roofline(rf.QWEN25_7B, rf.H100, 1, 2048).policy(1, 1, 2048)
@@ -380,6 +381,11 @@ def main(argv=None) -> int:
             f" ({100 * v['error_of_medians']:+.1f}%)"
         )
     _print_projection(results["projection"]["rows"])
+    for r in results["sensitivity"]:
+        print(
+            f"| {r['model']} | {r['variant']} | {r['plain_rollout_s']:.0f} | {r['static_step_speedup']:.2f}x | "
+            f"{r['tlt_rollout_speedup']:.2f}x | {r['tlt_step_speedup']:.2f}x |"
+        )
     print(json.dumps(results["paper_checks"], indent=1))
     print(f"wrote {out}")
     return 0

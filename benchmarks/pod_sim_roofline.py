@@ -157,8 +157,10 @@ def project(
     staleness: ps.Staleness,
     threshold: int = 32,
     run_steps: int = 100,
+    max_batch: int | None = None,
 ) -> dict:
-    """One RL step's time without speculation, with a static drafter and with TLT (spot-trained drafter)."""
+    """One RL step's time without speculation, with a static drafter and with TLT (spot-trained drafter).
+    max_batch: rows per wave (default: what a dense KV cache of the step's longest sequence fits in HBM)."""
     if devices % tp:
         raise ValueError(f"devices={devices} is not a multiple of the tensor-parallel size tp={tp}")
     engines = devices // tp
@@ -169,7 +171,7 @@ def project(
     out = dict(devices=devices, engines=engines, responses=len(lengths), train_s=train_s, drafter_demand_s=demand)
     for mode in ("plain", "static", "tlt"):
         costs = Roofline(model, hw, tp, max_len, drafter=mode != "plain")
-        base = dict(max_batch=costs.max_rows(), max_len=max_len, chunk_size=8, steps_per_call=4)
+        base = dict(max_batch=max_batch or costs.max_rows(), max_len=max_len, chunk_size=8, steps_per_call=4)
         accept = staleness.stale if mode == "static" else staleness.fresh
         stale = float("inf") if mode == "static" else 1.0
         for _ in range(4 if mode == "tlt" else 1):  # acceptance <-> idle time fixed point
@@ -228,6 +230,44 @@ def projection_table(
             }
         rows.append(row)
     return rows
+
+
+def sensitivity(devices: int = 64, seeds=(0, 1, 2), **kw) -> list[dict]:
+    """TLT's step speedup at one pod size when one assumption changes (the reasons the projection differs from the
+    paper): one wave per engine (a paged cache holding every request, as SGLang does), 7B on TP 1, flop_eff 0.8,
+    threshold 8, a shorter length distribution (median max/16)."""
+    import rollout_tail as rt
+
+    out = []
+    for model, tp, responses in ((QWEN25_7B, 4, 512), (QWEN25_32B, 8, 2048)):
+        variants = {
+            "as projected": {},
+            "one wave per engine": dict(max_batch=responses // (devices // tp)),
+            "flop_eff 0.8": dict(hw=dataclasses.replace(H100, flop_eff=0.8)),
+            "threshold 8": dict(threshold=8),
+        }
+        if model is QWEN25_7B:
+            variants["TP 1"] = dict(tp=1)
+        for name, over in variants.items():
+            args = dict(hw=H100, tp=tp) | kw | over
+            runs = [
+                project(
+                    model, devices=devices, lengths=rt.tail_lengths(responses, 32768, seed=s), prompt_len=256, **args
+                )
+                for s in seeds
+            ]
+            out.append(
+                dict(
+                    model=model.name,
+                    devices=devices,
+                    variant=name,
+                    plain_rollout_s=statistics.mean(r["plain"]["rollout_s"] for r in runs),
+                    static_step_speedup=statistics.mean(r["static"]["step_speedup"] for r in runs),
+                    tlt_rollout_speedup=statistics.mean(r["tlt"]["rollout_speedup"] for r in runs),
+                    tlt_step_speedup=statistics.mean(r["tlt"]["step_speedup"] for r in runs),
+                )
+            )
+    return out
 
 
 def sd_speedup_check(

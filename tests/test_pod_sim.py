@@ -95,3 +95,27 @@ def test_bad_input_is_named():
         ps.Arm(depth=2, topk=1, verify_tokens=3, accept=0.5)
     with pytest.raises(KeyError, match="no measured cost"):
         ps.simulate([3], [4], POLICY, ps.TableCosts())
+
+
+def test_pod_projection_idle_time_and_spot_training():
+    import pod_sim_roofline as rf
+
+    arm = ps.Arm(depth=8, topk=4, verify_tokens=48, accept=6.0)
+    st = ps.Staleness(fresh=6.0, stale=3.0, tau=5.0)
+    lengths = [4000, 100, 100, 100]
+    two = rf.project(rf.QWEN25_7B, rf.H100, 4, 8, lengths, 64, arm, st, run_steps=11)
+    # engine 0 holds the 4000-token response, engine 1 two short ones: its wait is the idle time, on 4 devices
+    r0 = rf.Roofline(rf.QWEN25_7B, rf.H100, 4, 64 + 4000, drafter=False)
+    pol = ps.Policy(max_batch=r0.max_rows(), max_len=64 + 4000, chunk_size=8, steps_per_call=4)
+    t0 = ps.simulate([4000, 100], [64, 64], pol, r0).seconds
+    t1 = ps.simulate([100, 100], [64, 64], pol, r0).seconds
+    assert two["plain"]["rollout_s"] == pytest.approx(t0)
+    assert two["plain"]["idle_device_s"] == pytest.approx(4 * (t0 - t1))
+    assert two["tlt"]["staleness"] == 1.0 and two["tlt"]["accept"] == 6.0  # idle time covers the drafter's pass
+    assert two["tlt"]["rollout_s"] < min(two["static"]["rollout_s"], two["plain"]["rollout_s"])
+    # a single engine has no idle slice: spot training never runs and the drafter drifts (lag grows 1 per step)
+    solo = rf.project(rf.QWEN25_7B, rf.H100, 4, 4, lengths, 64, arm, st, run_steps=11)
+    assert solo["tlt"]["idle_device_s"] == 0 and solo["tlt"]["staleness"] == pytest.approx(6.0)
+    assert solo["tlt"]["accept"] == pytest.approx(st.accept(6.0))
+    with pytest.raises(ValueError, match="multiple of the tensor-parallel"):
+        rf.project(rf.QWEN25_7B, rf.H100, 4, 6, lengths, 64, arm, st)
