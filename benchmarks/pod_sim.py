@@ -344,6 +344,9 @@ def main(argv=None) -> int:
         for name in args.models.split(","):
             results["validation"].append(pm.validate(name, rounds=args.rounds, reps=args.reps, cpu=args.clock == "cpu"))
             out.write_text(json.dumps(results, indent=1))
+        if args.spec:
+            results["validation_spec"] = pm.validate_spec(rounds=args.rounds - 1 or 1, reps=args.reps)
+            out.write_text(json.dumps(results, indent=1))
     arm = Arm(depth=8, topk=4, verify_tokens=48, accept=6.53)  # TLT's default tree and threshold
     st = Staleness()
     setups = [(rf.QWEN25_7B, 4, 512), (rf.QWEN25_32B, 8, 2048)]

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ class _KeysOnly:
     decode = verify = compact = prefill
 
 
+DRAFTER = Path(__file__).parent / "drafters" / "eagle_smollm2_gsm"  # the committed warmed-up drafter
 CPU = {"on": False}  # measure process CPU seconds (all threads) instead of wall seconds: robust to other users' load
 
 
@@ -45,16 +47,17 @@ def _timed(exe, *args):
     return out, _clock() - t0
 
 
-def _decode_state(engine: RolloutEngine, b: int, length: int, steps: int):
-    """A live [b]-row state that runs exactly ``steps`` decode steps, committed length just below ``length``."""
+def _decode_state(engine: RolloutEngine, b: int, length: int, steps: int, per_step: int = 1):
+    """A live [b]-row state that runs exactly ``steps`` decode (or verify: up to per_step tokens each) steps,
+    committed length just below ``length``."""
     ctx = engine.ctx
     st = ctx.empty_state(b)
-    committed = max(1, length - engine.chunk_size)
+    committed = max(1, length - max(engine.chunk_size, steps * per_step))
     st = st.replace(
         cache=dataclasses.replace(st.cache, lengths=jnp.full((b,), committed, jnp.int32)),
         done=jnp.zeros((b,), bool),
         num_generated=jnp.ones((b,), jnp.int32),
-        max_new=jnp.full((b,), 1 + steps, jnp.int32),
+        max_new=jnp.full((b,), 1 + (steps if steps == 1 else steps * per_step), jnp.int32),
     )
     return jax.block_until_ready(jax.device_put(st, ctx.state_shardings(st)))
 
@@ -77,6 +80,19 @@ def measure_costs(engine: RolloutEngine, keys: set[tuple], prompts, reps: int = 
                 times[steps] = statistics.median(runs)
             per = max(0.0, (times[k] - times[1]) / (k - 1))
             costs.steps[("decode", b, length)] = (times[1] - per, per)
+        elif key[0] == "verify":
+            _, b, length, _arm = key
+            spc, per = engine.spec.steps_per_call, engine.spec.depth + 1
+            times = {}
+            for steps in (1, spc):
+                runs = []
+                for _ in range(reps):
+                    st = _decode_state(engine, b, length, steps, per)
+                    exe = engine.pool.get(StepKey("verify", b, length, engine.spec_arm), params, st)
+                    runs.append(_timed(exe, params, st)[1])
+                times[steps] = statistics.median(runs)
+            per_s = max(0.0, (times[spc] - times[1]) / (spc - 1))
+            costs.steps[key] = (times[1] - per_s, per_s)
         elif key[0] == "compact":
             _, src, dst = key
             st = engine.ctx.empty_state(src)
@@ -184,4 +200,83 @@ def validate(
         sim_keys_equal_engine_keys=run_keys == {k for k in keys if k[0] == "decode"},
         rounds=rounds_out,
         max_abs_round_error=max(abs(e) for e in errs),
+    )
+
+
+def validate_spec(
+    rounds: int = 2, reps: int = 3, prompts_n: int = 16, max_new: int = 192, threshold: int = 4, tree: str = "3x1x4"
+) -> dict:
+    """Speculative tail on CPU: SmolLM2 + the committed EAGLE drafter, held-out GSM prompts, greedy, stop at EOS,
+    speculative once <= threshold rows are live. The simulator gets the response lengths and the mean accept length
+    of a warm-up run (greedy: every run emits the same tokens) and the measured per-call costs, not the run's time."""
+    from tlt_jax.drafter.export import load_drafter
+    from tlt_jax.drafter.warmup import load_policy_and_prompts
+    from tlt_jax.rollout.speculative import SpecConfig
+
+    CPU["on"] = True
+    policy, prompts, stops = load_policy_and_prompts(None, prompts_n, 1000, "eval")
+    prompts = prompts[:prompts_n]
+    depth, topk, n = (int(x) for x in tree.split("x"))
+    spec = SpecConfig(depth=depth, topk=topk, verify_tokens=n, threshold=threshold, steps_per_call=4)
+    max_len = max(map(len, prompts)) + max_new + 64
+    engine = RolloutEngine(policy, drafter=load_drafter(DRAFTER), spec=spec, max_batch=prompts_n, max_len=max_len)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, seed=0, stop_token_ids=stops)
+    t0 = time.perf_counter()
+    warm = engine.generate(prompts, params)
+    lengths = [len(t[0]) for t in warm.tokens]
+    accept = warm.stats["mean_accept_length"]
+    arm = ps.Arm(depth=depth, topk=topk, verify_tokens=n, accept=accept)
+    policy_sim = ps.Policy(
+        max_batch=prompts_n,
+        max_len=max_len,
+        chunk_size=engine.chunk_size,
+        batch_buckets=engine.batch_buckets,
+        length_buckets=engine.length_buckets,
+        threshold=threshold,
+        steps_per_call=spec.steps_per_call,
+        arms=((1, arm),),
+    )
+    plens = [len(p) for p in prompts]
+    keys = ps.simulate(lengths, plens, policy_sim, _KeysOnly()).keys
+    print(f"[spec] warm-up {time.perf_counter() - t0:.1f}s, accept {accept:.2f}, {len(keys)} keys", flush=True)
+    rounds_out = []
+    for r in range(rounds):
+        costs = measure_costs(engine, keys, prompts, reps)
+        pred = ps.simulate(lengths, plens, policy_sim, costs)
+        t0 = time.process_time()
+        res = engine.generate(prompts, params)
+        meas = time.process_time() - t0
+        rounds_out.append(
+            dict(
+                predicted_s=pred.seconds,
+                measured_s=meas,
+                error=pred.seconds / meas - 1,
+                predicted_spec_s=pred.spec_s,
+                predicted_chunks=pred.chunks,
+                measured_chunks=len(res.stats["chunks"]),
+                predicted_verify_steps=pred.verify_steps,
+                measured_verify_steps=res.stats["verify_steps"],
+            )
+        )
+        print(
+            f"[spec] round {r}: predicted {pred.seconds:.2f}s measured {meas:.2f}s (CPU) "
+            f"error {100 * rounds_out[-1]['error']:+.1f}%  chunks {pred.chunks}/{len(res.stats['chunks'])} "
+            f"verify steps {pred.verify_steps}/{res.stats['verify_steps']}",
+            flush=True,
+        )
+    pred_med = statistics.median(x["predicted_s"] for x in rounds_out)
+    meas_med = statistics.median(x["measured_s"] for x in rounds_out)
+    return dict(
+        model="smollm2+eagle",
+        clock="process CPU seconds",
+        tree=tree,
+        threshold=threshold,
+        prompts=prompts_n,
+        max_new=max_new,
+        lengths=lengths,
+        accept=accept,
+        predicted_median_s=pred_med,
+        measured_median_s=meas_med,
+        error_of_medians=pred_med / meas_med - 1,
+        rounds=rounds_out,
     )
