@@ -204,7 +204,7 @@ def validate(
 
 
 def validate_spec(
-    rounds: int = 2, reps: int = 3, prompts_n: int = 16, max_new: int = 192, threshold: int = 4, tree: str = "3x1x4"
+    rounds: int = 2, reps: int = 3, prompts_n: int = 16, max_new: int = 320, threshold: int = 8, tree: str = "3x1x4"
 ) -> dict:
     """Speculative tail on CPU: SmolLM2 + the committed EAGLE drafter, held-out GSM prompts, greedy, stop at EOS,
     speculative once <= threshold rows are live. The simulator gets the response lengths and the mean accept length
@@ -225,6 +225,11 @@ def validate_spec(
     warm = engine.generate(prompts, params)
     lengths = [len(t[0]) for t in warm.tokens]
     accept = warm.stats["mean_accept_length"]
+    if not warm.stats["verify_steps"]:
+        raise ValueError(
+            f"no speculative chunk ran (live rows never <= {threshold} before the end): raise max_new "
+            f"(now {max_new}, responses hit the cap together) or the threshold"
+        )
     arm = ps.Arm(depth=depth, topk=topk, verify_tokens=n, accept=accept)
     policy_sim = ps.Policy(
         max_batch=prompts_n,
