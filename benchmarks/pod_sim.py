@@ -325,6 +325,7 @@ def main(argv=None) -> int:
         choices=("cpu", "wall"),
         help="validation clock: process CPU seconds (robust to other users' load on a shared machine) or wall seconds",
     )
+    ap.add_argument("--spec", type=int, default=1, help="also validate a speculative tail (SmolLM2 + EAGLE); 0 = skip")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pod_sim.json"))
     args = ap.parse_args(argv)
     import jax
