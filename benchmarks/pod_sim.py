@@ -8,14 +8,14 @@ chunk finished rows leave and the survivors are compacted into the smallest batc
 every call reads the cache-length bucket covering its longest live row, as the engine does. Costs come from a
 ``StepCosts``: measured tables (``TableCosts``, the CPU validation) or a roofline (``pod_sim_roofline.Roofline``).
 
-The pod model (``project``) spreads one step's responses over the pod's engines (``devices / tp``), takes the slowest
-engine as the rollout time, adds the policy's log-prob and update passes, and counts the device-seconds engines spend
-idle while the slowest finishes: TLT trains the drafter there. The drafter's acceptance falls with its staleness
-(policy updates since the data it was trained on); spot training keeps it one update behind when the idle time covers
-a pass over the step's responses, and lets it fall behind otherwise.
+The pod model (``pod_sim_roofline.project``) spreads one step's responses over the pod's engines (devices / tp), takes
+the slowest engine as the rollout time, adds the policy's log-prob and update passes, and counts the device-seconds
+engines spend idle while the slowest finishes: TLT trains the drafter there. The drafter's acceptance falls with its
+staleness (policy updates since the data it was trained on); spot training keeps it one update behind when the idle
+time covers a pass over the step's responses, and lets it fall behind otherwise.
 
-    python benchmarks/pod_sim.py                 # CPU validation (tiny, SmolLM2) + projections -> results/pod_sim.json
-    python benchmarks/pod_sim.py --skip_validation   # projections only (seconds)
+    python benchmarks/pod_sim.py                    # CPU validation (tiny, SmolLM2, speculative) + projections
+    python benchmarks/pod_sim.py --models= --spec=0  # projections only (minutes); both write results/pod_sim.json
 """
 
 from __future__ import annotations
