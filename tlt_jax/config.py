@@ -12,13 +12,12 @@ import dataclasses
 import json
 import math
 import os
-import types
-import typing
-from typing import Any
 
 import ml_collections
 
 from tlt_jax.distributed.mesh import MeshConfig
+from tlt_jax.typed_config import ConfigError, as_plain, build
+from tlt_jax.typed_config import require as _require
 
 __all__ = [
     "CheckpointConfig",
@@ -53,15 +52,6 @@ ADVANTAGES = ("drgrpo", "grpo", "rloo")
 POLICY_LOSSES = ("ppo_clip",)
 LOSS_AGG_MODES = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean")
 KL_KINDS = ("abs", "k1", "k2", "k3", "kl", "low_var_kl", "mse")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the offending key."""
-
-
-def _require(ok: bool, key: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"config.{key}: {msg}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,78 +411,9 @@ class Config:
         return self.rl.epochs * (self.data.prompts_per_step // mini)
 
 
-# ----- ConfigDict <-> dataclasses ---------------------------------------------------------------------------------
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp, key: str) -> Any:
-    """``value`` as type ``tp`` (int accepted for float, list for tuple) or a ConfigError naming the key."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key)
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for arg in typing.get_args(tp):
-            if arg is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(e)
-        raise ConfigError(f"config.{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, (tuple, list)):
-            raise ConfigError(f"config.{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-        elem = args[0] if args else Any
-        return tuple(_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value))
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-    }
-    if tp is Any:
-        return value
-    if tp not in ok:
-        raise TypeError(f"config.{key}: unsupported field type {tp}")
-    if not ok[tp](value):
-        raise ConfigError(f"config.{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
-    return float(value) if tp is float else value
-
-
-def _build(cls, value: Any, key: str):
-    if isinstance(value, ml_collections.ConfigDict):
-        value = value.to_dict()
-    if dataclasses.is_dataclass(value):
-        value = dataclasses.asdict(value)
-    prefix = f"config.{key}" if key else "config"
-    if not isinstance(value, dict):
-        raise ConfigError(f"{prefix}: expected a block of {cls.__name__} fields, got {value!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(set(value) - set(fields))
-    if unknown:
-        raise ConfigError(f"{prefix}: unknown key(s) {unknown} for {cls.__name__}; valid keys: {sorted(fields)}")
-    kwargs = {}
-    for name, v in value.items():
-        kwargs[name] = _coerce(v, hints[name], f"{key}.{name}" if key else name)
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:  # a block's own __post_init__ (e.g. MeshConfig)
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{prefix}: {e}") from e
-
-
 def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
     """Validated, frozen :class:`Config` from a ConfigDict (or plain dict); missing keys take the defaults."""
-    cfg = _build(Config, cd, "")
+    cfg = build(Config, cd, "")
     cfg.validate()
     # MeshConfig has no validate(): check its shape is well-formed (the device count is checked at mesh build).
     dims = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
@@ -500,17 +421,11 @@ def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
     return cfg
 
 
-def _as_plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _as_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    return obj
-
-
 def to_config_dict(cfg: Config | None = None) -> ml_collections.ConfigDict:
     """The ConfigDict of ``cfg`` (defaults when None): what configs/*.py start from and override."""
-    return ml_collections.ConfigDict(_as_plain(cfg or Config()))
+    return ml_collections.ConfigDict(as_plain(cfg or Config()))
 
 
 def to_json(cfg: Config) -> str:
     """The resolved configuration as JSON (written to workdir/config.json)."""
-    return json.dumps(_as_plain(cfg), indent=2, sort_keys=True, default=list)
+    return json.dumps(as_plain(cfg), indent=2, sort_keys=True, default=list)
