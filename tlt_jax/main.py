@@ -231,7 +231,9 @@ def build_engine(cfg, model, mesh, data: Data):
     rows = cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt
     r = cfg.rollout
     spec = {}
-    if r.speculative != "off":
+    if r.speculative == "adaptive":
+        spec = adaptive_spec(cfg, model.config)
+    elif r.speculative != "off":
         tree = SpecConfig(
             depth=r.spec_depth, topk=r.spec_topk, verify_tokens=r.spec_verify_tokens, threshold=r.spec_threshold
         )
@@ -245,6 +247,43 @@ def build_engine(cfg, model, mesh, data: Data):
         max_len=max_len,
         tail_threshold=max(1, rows // 4),
     )
+
+
+def adaptive_spec(cfg, model_config) -> dict:
+    """Engine arguments of ``rollout.speculative="adaptive"``: the bandit over ``rollout.spec_arms``, with the EAGLE
+    drafter of ``rollout.drafter_path`` when an arm needs it. Seeded by train.seed, so every process (and a rerun)
+    takes the same decisions from the same measurements."""
+    from tlt_jax.adaptive import parse_arms
+    from tlt_jax.rollout import SpecConfig
+
+    r = cfg.rollout
+    arms = parse_arms(r.spec_arms)
+    spec = SpecConfig(
+        arms=arms,
+        epsilon=r.spec_epsilon,
+        window=r.spec_window,
+        patience=r.spec_patience,
+        threshold=r.spec_threshold,
+        seed=cfg.train.seed,
+    )
+    eagle = any(a.kind == "eagle" for a in arms)
+    return dict(drafter=load_eagle_drafter(cfg, model_config) if eagle else None, spec=spec)
+
+
+def restore_engine_state(engine, controller: dict) -> None:
+    """Adaptive rollouts resume with the checkpoint's bandit (its measurements and exploration generator); a bandit
+    over other arms is a ConfigError (the arms must match to resume)."""
+    from tlt_jax.config import ConfigError
+
+    saved = controller.get("engine") or {}
+    if getattr(engine, "bandit", None) is None or not saved.get("bandit"):
+        if getattr(engine, "bandit", None) is not None:
+            log.info("the checkpoint holds no bandit state: the adaptive rollout starts its bandit afresh")
+        return
+    try:
+        engine.load_state_dict(saved)
+    except ValueError as e:
+        raise ConfigError(f"config.rollout.spec_arms: {e}") from e
 
 
 # ----- the run ----------------------------------------------------------------------------------------------------
@@ -339,6 +378,7 @@ def run(cfg, workdir: str) -> dict[str, float]:
         learner.load_state(restored.train_state, run_key=restored.rng)
         start = restored.step
         consecutive = int(restored.controller.get("consecutive_nonfinite", 0))
+        restore_engine_state(engine, restored.controller)
         log.info("resumed from step %d in %s", start, ckpt.directory)
 
     primary = is_primary()  # only process 0 prints and writes; all take part in checkpoints
@@ -357,6 +397,7 @@ def run(cfg, workdir: str) -> dict[str, float]:
 
     def save(step: int) -> None:
         controller = {"step": step, "consecutive_nonfinite": consecutive, "time": time.time()}
+        controller["engine"] = engine.state_dict() if hasattr(engine, "state_dict") else {}  # adaptive: the bandit
         ckpt.save(step, learner.state, rng=learner.run_key, data_iter=train_iter, controller=controller)
 
     final: dict[str, float] = {}

@@ -318,3 +318,17 @@ class GenerateRun:
             tail_seconds=tail_s,
             tail_share=tail_s / decode_s if decode_s > 0 else 0.0,
         )
+
+
+def arm_share_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """Per-step metrics of an adaptive rollout: ``rollout/arm_share/ARM`` = the share of decode + verify steps that
+    ran ARM (over every batch bucket), and ``rollout/arm_tokens_per_s/ARM``. Empty when the engine is not adaptive."""
+    if stats.get("bandit") is None:
+        return {}
+    steps: dict[str, int] = collections.Counter()
+    for per in stats["arm_steps"].values():
+        steps.update(per)
+    total = sum(steps.values())
+    out = {f"rollout/arm_share/{a}": s / total for a, s in sorted(steps.items()) if total}
+    out.update({f"rollout/arm_tokens_per_s/{a}": float(v) for a, v in stats["arm_tokens_per_s"].items()})
+    return out
