@@ -121,7 +121,7 @@ class ProcessShardedReward:
         self.reward_fn = reward_fn
 
     def __call__(self, examples, completions):
-        from tlt_jax.rl.learner import RewardOutput
+        from tlt_jax.rewards import RewardOutput
 
         if jax.process_count() == 1:
             return self.reward_fn(examples, completions)

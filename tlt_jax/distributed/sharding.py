@@ -10,7 +10,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tlt_jax.models.layers import LOGICAL_AXES
+# The nnx.Variable metadata key under which parameters carry their logical axis names.
+LOGICAL_AXES = "logical_axes"
+
 
 MeshAxes = str | tuple[str, ...] | None
 

@@ -288,5 +288,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from tlt_jax import cli
+
     define_flags()
-    app.run(main)
+    cli.run(main)

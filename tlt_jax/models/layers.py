@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tlt_jax.distributed.sharding import LOGICAL_AXES
 from tlt_jax.kernels import prefix_tree_attention
 from tlt_jax.models.config import ModelConfig
 
-LOGICAL_AXES = "logical_axes"
 _INIT = nnx.initializers.normal(0.02)
 
 
