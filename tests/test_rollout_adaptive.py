@@ -106,9 +106,11 @@ def test_bandit_state_lives_across_calls_and_round_trips(adaptive, model, drafte
 
 def test_patience_delays_speculation_and_ngram_arms_need_no_drafter(model, plain):
     spec = SpecConfig(arms=("off", "ngram:3x2x6"), epsilon=0.0, threshold=8, patience=2)
-    eng = RolloutEngine(model, spec=spec, **KW)  # n-gram arms: no drafter object
+    eng = RolloutEngine(model, spec=spec, pool_max_bytes=10**9, **KW)  # n-gram arms: no drafter object
     res = eng.generate(PROMPTS, GREEDY)
     assert_same(res, plain.generate(PROMPTS, GREEDY))
+    pool = res.stats["pool"]
+    assert pool["max_bytes"] == 10**9 and 0 < pool["bytes"] <= 10**9 and pool["evictions"] == 0
     choices = [c["choice"] for c in res.stats["chunks"]]
     # Gate closed for `patience` chunks (plain chunks still teach the bandit "off"), then the untried n-gram arm.
     assert choices[:3] == ["off", "off", "ngram:3x2x6"] and res.stats["spec"]["switches"][0]["active"] <= 8
