@@ -68,6 +68,7 @@ def assert_same(res, ref):
             np.testing.assert_allclose(h, h_ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_arms_switching_mid_wave_equal_plain_greedy_and_sampled(adaptive, plain):
     for params in (GREEDY, SAMPLED):
         res = adaptive.generate(PROMPTS, params)
@@ -139,6 +140,7 @@ def test_adaptive_arguments_are_validated(model, drafter):
             SpecConfig(**kw)
 
 
+@pytest.mark.slow
 def test_first_two_tokens_chi_square_with_random_arms():
     """2048 samples in 32 waves of 64; with epsilon = 1 each wave's verify chunks pick random arms. The joint law of
     the first two generated tokens must be plain sampling's exact joint (64 cells)."""
