@@ -9,6 +9,7 @@ step's row.
 
     python benchmarks/e2e_step.py                              # tiny (20 steps) and gsm8k (2 steps), SD off and on
     python benchmarks/e2e_step.py --configs tiny --steps 10 --modes off
+    python benchmarks/e2e_step.py --configs gsm8k --modes off,adaptive   # the bandit over --spec_arms
 """
 
 from __future__ import annotations
@@ -74,7 +75,10 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
-def bench(name: str, steps: int, mode: str) -> dict:
+ADAPTIVE_ARMS = "off,ngram:4x1x5"  # mode "adaptive": the bandit's arms (--spec_arms)
+
+
+def bench(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS) -> dict:
     from tlt_jax.main import run
     from tlt_jax.metrics import read_metrics
 
@@ -85,6 +89,8 @@ def bench(name: str, steps: int, mode: str) -> dict:
         "metrics.progress_bars": False,
         "eval.at_start": False,
     }
+    if mode == "adaptive":
+        overrides["rollout.spec_arms"] = arms
     cfg = load_config(name, overrides)
     with tempfile.TemporaryDirectory() as workdir:
         t0 = time.perf_counter()
@@ -115,6 +121,7 @@ def main():
     ap.add_argument("--configs", default="tiny,gsm8k")
     ap.add_argument("--steps", type=int, default=0, help="steps per config (0: tiny 20, gsm8k 2)")
     ap.add_argument("--modes", default="off,ngram", help="speculative decoding modes to run")
+    ap.add_argument("--spec_arms", default=ADAPTIVE_ARMS, help="arms of mode 'adaptive' (off,ngram:DxKxN,...)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
 
@@ -135,7 +142,7 @@ def main():
     }
     for name in args.configs.split(","):
         for mode in args.modes.split(","):
-            res = bench(name, args.steps or DEFAULT_STEPS.get(name, 2), mode)
+            res = bench(name, args.steps or DEFAULT_STEPS.get(name, 2), mode, args.spec_arms)
             results["configs"].setdefault(name, {})[mode] = res
             s = res["steady_median"]
             print(

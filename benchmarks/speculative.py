@@ -55,6 +55,8 @@ flags.DEFINE_integer("b1_prompts", 8, "at batch 1, run this many prompts one aft
 flags.DEFINE_integer("steps_per_call", 4, "EAGLE verify steps per host round trip")
 flags.DEFINE_integer("repeats", 1, "interleaved passes per cell; each arm's time is the median over the passes")
 flags.DEFINE_bool("breakdown", True, "time the parts of one step at batch 1 (plain step; EAGLE draft, verify, extend)")
+flags.DEFINE_bool("adaptive", True, "also run the adaptive engine: a bandit over off + every fixed arm of the batch")
+flags.DEFINE_float("epsilon", 0.1, "adaptive: exploration probability")
 flags.DEFINE_string("out", "benchmarks/results/speculative_smollm2_cpu.json", "JSON output")
 
 
@@ -150,7 +152,7 @@ class _Tally:
 
     def __init__(self):
         self.tokens, self.seconds, self.verifies, self.spec_tokens, self.compile_s, self.steps = [], 0.0, 0, 0, 0.0, 0
-        self.decode_seconds, self.seconds_passes = 0.0, []
+        self.decode_seconds, self.seconds_passes, self.arm_steps = 0.0, [], {}
 
     def run(self, engine: RolloutEngine, group, params: SamplingParams) -> None:
         res = engine.generate(group, params)
@@ -162,6 +164,9 @@ class _Tally:
         self.spec_tokens += st["spec"]["tokens"]
         self.compile_s += st["compile_seconds_this_call"]
         self.steps += st["steps"]
+        for per in st["arm_steps"].values():
+            for a, n in per.items():
+                self.arm_steps[a] = self.arm_steps.get(a, 0) + n
 
     def stats(self) -> dict:
         accept = self.spec_tokens / self.verifies if self.verifies else 1.0
@@ -239,6 +244,12 @@ def main(argv):
         groups = [prompts[i: i + 1] for i in range(_F.b1_prompts)] if b == 1 else [prompts[:b]]
         configs = _F.configs_b1 if b == 1 else _F.configs_small if b <= 4 else _F.configs_large
         arms = {"plain": plain} | {(name, c): engine(name, c) for c in configs for name in drafters}
+        if _F.adaptive:  # one engine per batch: its bandit carries over prompt groups and temperatures
+            bandit_arms = ("off", *(f"{name}:{c}" for name in drafters for c in configs))
+            spec = SpecConfig(arms=bandit_arms, epsilon=_F.epsilon, threshold=max_batch,
+                              steps_per_call=_F.steps_per_call)
+            arms["adaptive", "+".join(bandit_arms)] = RolloutEngine(
+                policy, drafter=drafters.get("eagle"), spec=spec, max_batch=max_batch, max_len=max_len)
         for temp in (float(t) for t in _F.temperatures):
             params = SamplingParams(temperature=temp, max_new_tokens=n_new, seed=0, stop_token_ids=stops)
             tallies, pt = _run_cell(arms, groups, params, _F.repeats)
@@ -253,6 +264,8 @@ def main(argv):
                 rows.append(dict(base, drafter=name, config=c, seconds=t, tokens_per_s=n_tok / t,
                                  speedup=t_plain / t, decode_seconds=tl.decode_seconds,
                                  decode_speedup=d_plain / tl.decode_seconds, lossless=lossless, **tl.stats()))
+                if name == "adaptive":
+                    rows[-1].update(arm_steps=tl.arm_steps, bandit_best=arms[name, c].bandit.stats()["best"])
                 print(f"b={b:2d} T={temp}: {name:>5} {c:>7}: accept {tl.stats()['mean_accept']:.2f} tok/verify, "
                       f"{tl.stats()['ms_per_step']:.1f} ms/step (plain {pt.stats()['ms_per_step']:.1f}), "
                       f"{n_tok / t:7.1f} tok/s, {t_plain / t:.2f}x plain "
@@ -267,7 +280,9 @@ def _drafter_dir():
 
 
 def write(rows, breakdown, drafters, split, t_start, final: bool) -> None:
-    summary = _summarise(rows, list(drafters), log=final)
+    summary = _summarise(rows, list(drafters) + (["adaptive"] if _F.adaptive else []), log=final)
+    if _F.adaptive:
+        summary.append(dict(adaptive_vs_fixed=_adaptive_vs_fixed(rows, log=final)))
     out = pathlib.Path(_F.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": _F.model or "SmolLM2-135M-Instruct (embedded)", "drafter": str(_drafter_dir() or ""),
@@ -305,6 +320,26 @@ def _summarise(rows, names, log: bool = True):
                               for b, r in sorted(best.items()))
                   + f"; no configuration beats plain from batch {stop_at}")
     return summary
+
+
+def _adaptive_vs_fixed(rows, log: bool = True) -> list[dict]:
+    """Per (temperature, batch): the adaptive engine's speedup over plain and its ratio to the best fixed arm of the
+    same run (goals: >= 1.0x plain, >= 0.95x the best fixed arm)."""
+    out = []
+    for temp, b in sorted({(r["temperature"], r["batch"]) for r in rows}):
+        cell = [r for r in rows if r["temperature"] == temp and r["batch"] == b]
+        ada = next((r for r in cell if r["drafter"] == "adaptive"), None)
+        fixed = [r for r in cell if r["drafter"] not in ("adaptive",)]  # plain included: "off" is an arm
+        if ada is None:
+            continue
+        best = max(fixed, key=lambda r: r["speedup"])
+        out.append(dict(temperature=temp, batch=b, adaptive_vs_plain=ada["speedup"],
+                        best_fixed=f"{best['drafter']} {best['config']}", best_fixed_vs_plain=best["speedup"],
+                        adaptive_vs_best=ada["speedup"] / best["speedup"], arm_steps=ada.get("arm_steps")))
+        if log:
+            print(f"T={temp} b={b}: adaptive {ada['speedup']:.2f}x plain, {ada['speedup'] / best['speedup']:.2f}x the "
+                  f"best fixed arm ({best['drafter']} {best['config']} {best['speedup']:.2f}x)")
+    return out
 
 
 def _np(x):

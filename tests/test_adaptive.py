@@ -34,11 +34,11 @@ def test_arm_parsing_and_shape_constraints():
     assert a == Arm("eagle", 8, 4, 48) and hash(a) == hash(Arm("eagle", 8, 4, 48)) and a.speculative
     assert {a: 1}[parse_arm("eagle:8x4x48")] == 1 and not parse_arm("off").speculative
     assert a.pool_name == SpecConfig(8, 4, 48).arm("eagle") and parse_arm("off").pool_name == "plain"
-    assert a.spec(threshold=5) == SpecConfig(8, 4, 48, threshold=5)
+    assert SpecConfig(threshold=5).for_arm(a) == SpecConfig(8, 4, 48, threshold=5)
     assert Arm.from_spec("ngram", SpecConfig(3, 2, 9)) == parse_arm("ngram:3x2x9")
     for depth, topk in ((1, 1), (1, 3), (2, 2), (8, 4)):  # the arm bound is exactly SpecConfig's
         top = 1 + topk + (depth - 1) * topk**2
-        Arm("eagle", depth, topk, top).spec()
+        SpecConfig().for_arm(Arm("eagle", depth, topk, top))
         with pytest.raises(ValueError, match=rf"must be in \[2, {top}\]"):
             Arm("eagle", depth, topk, top + 1)
         with pytest.raises(ValueError, match="verify_tokens"):
@@ -59,8 +59,8 @@ def test_arm_parsing_and_shape_constraints():
     with pytest.raises(ValueError, match="empty"):
         parse_arms([])
     assert parse_arms("off, ngram:4x1x5") == (Arm("off"), Arm("ngram", 4, 1, 5))
-    with pytest.raises(ValueError, match="no SpecConfig"):
-        Arm("off").spec()
+    with pytest.raises(ValueError, match="no tree shape"):
+        SpecConfig().for_arm(Arm("off"))
 
 
 def test_untried_arms_first_in_order_without_randomness():

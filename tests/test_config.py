@@ -107,12 +107,14 @@ def test_int_is_accepted_for_float():
         (("data", "source"), "gsm_symbolic", "a random tiny model only fits 'synthetic' data"),
         (("model", "source"), "path", "config.model.path: give a path exactly when source='path'"),
         (("checkpoint", "max_to_keep"), 1, "keep >= 2"),
-        (("rollout", "speculative"), "medusa", r"config.rollout.speculative: must be one of \(.*'eagle'\)"),
+        (("rollout", "speculative"), "medusa", r"config.rollout.speculative: must be one of \(.*'eagle', 'adaptive'\)"),
         (("rollout", "speculative"), "eagle", r"config.rollout.drafter_path: speculative='eagle' needs a drafter dir"),
         (("rollout", "spec_depth"), 0, r"config.rollout.spec_depth: must be >= 1"),
         (("rollout", "spec_topk"), 0, r"config.rollout.spec_topk: must be >= 1"),
         (("rollout", "spec_verify_tokens"), 1, r"config.rollout.spec_verify_tokens: must be in \[2, 117\]"),
         (("rollout", "spec_verify_tokens"), 118, r"config.rollout.spec_verify_tokens: must be in \[2, 117\]"),
+        (("rollout", "spec_arms"), "off,ngram:3x2x6", r"config.rollout.spec_arms: is only used with speculative='adap"),
+        (("rollout", "speculative"), "adaptive", r"config.rollout.spec_arms: speculative='adaptive' needs the bandit"),
         (("mesh", "fsdp"), 0, "config.mesh: invalid mesh shape"),
         (("rollout", "top_k"), 8, r"config.rollout.top_k: must be 0 \(off\) for RL rollouts, got 8: .*full distrib"),
         (("rollout", "top_p"), 0.9, r"config.rollout.top_p: must be 1.0 \(off\) for RL rollouts, got 0.9: .*generate"),
@@ -187,3 +189,23 @@ def test_config_and_rewards_do_not_import_rl_and_names_match_the_registries():
     ]
     for names, registry in pairs:
         assert sorted(names) == sorted(registry)
+
+
+def test_adaptive_rollout_keys(tmp_path):
+    d = to_config_dict().to_dict()
+    d["rollout"].update(speculative="adaptive", spec_arms="off,ngram:3x2x12")
+    with pytest.raises(ConfigError, match=r"config.rollout.spec_arms: arm 'ngram:3x2x12': .*must be in \[2, 11\]"):
+        from_config_dict(d)
+    d["rollout"].update(spec_arms="off,eagle:3x2x6")
+    with pytest.raises(ConfigError, match=r"config.rollout.drafter_path: .*needs a drafter directory"):
+        from_config_dict(d)
+    d["rollout"].update(drafter_path=str(tmp_path))
+    for key, value, match in [
+        ("spec_epsilon", 1.5, r"in \[0, 1\]"),
+        ("spec_window", 0, ">= 1"),
+        ("spec_patience", -1, ">= 0"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"config.rollout.{key}: must be {match}"):
+            from_config_dict({**d, "rollout": {**d["rollout"], key: value}})
+    r = from_config_dict({**d, "rollout": {**d["rollout"], "spec_patience": 2}}).rollout
+    assert (r.speculative, r.spec_arms, r.spec_patience) == ("adaptive", "off,eagle:3x2x6", 2)

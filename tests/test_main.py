@@ -354,6 +354,48 @@ def test_speculative_rollouts_leave_training_unchanged(tmp_path):
             _assert_same_metrics(a, b, (mode, step))
 
 
+def _bandit_state(workdir, step):
+    """The adaptive engine state in checkpoint ``step``'s controller item (a JSON file)."""
+    for p in (workdir / "checkpoints" / str(step) / "controller").rglob("*"):
+        if p.is_file():
+            try:
+                return json.loads(p.read_text())["engine"]["bandit"]
+            except (ValueError, KeyError, UnicodeDecodeError):
+                continue
+    raise AssertionError(f"no bandit state in checkpoint {step}")
+
+
+@pytest.mark.slow
+def test_adaptive_rollouts_report_arm_shares_and_resume_the_bandit(tmp_path):
+    """speculative="adaptive": per-step arm shares of the decode steps; the bandit is saved with each checkpoint
+    and a resumed run continues it (its window keeps the observations from before the restart)."""
+    common = (
+        "--config.eval.at_start=False",
+        "--config.checkpoint.every_steps=1",
+        "--config.rollout.speculative=adaptive",
+        "--config.rollout.spec_arms=off,ngram:3x2x6",
+        "--config.rollout.spec_epsilon=0.5",
+    )
+    run(_cfg("tiny.py", "--config.train.num_steps=2", *common), str(tmp_path))
+    rows = _train_rows(tmp_path)
+    for step in (1, 2):
+        shares = {k: v for k, v in rows[step].items() if k.startswith("rollout/arm_share/")}
+        assert set(shares) <= {"rollout/arm_share/off", "rollout/arm_share/ngram:3x2x6"} and shares
+        assert sum(shares.values()) == pytest.approx(1.0)
+    before = _bandit_state(tmp_path, 2)
+    assert before["arms"] == ["off", "ngram:3x2x6"] and sum(before["tokens"]) > 0
+    run(_cfg("tiny.py", "--config.train.num_steps=3", *common), str(tmp_path))
+    after = _bandit_state(tmp_path, 3)
+    for bucket, window in before["observations"].items():
+        assert after["observations"][bucket][: len(window)] == window  # restored, then extended
+    assert all(a >= b for a, b in zip(after["tokens"], before["tokens"], strict=True))
+    with pytest.raises(ConfigError, match="config.rollout.spec_arms: the checkpoint's bandit arms"):
+        run(
+            _cfg("tiny.py", "--config.train.num_steps=4", *common[:-2], "--config.rollout.spec_arms=ngram:3x2x6,off"),
+            str(tmp_path),
+        )
+
+
 def test_unusable_eagle_drafter_is_a_config_error(tmp_path):
     """A drafter directory without a saved drafter, or one made for another policy shape: an error naming the key,
     the path and the warm-up command, before any compile."""

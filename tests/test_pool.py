@@ -117,9 +117,10 @@ def test_precompile_every_reachable_arm_and_bucket_of_an_engine():
     extra arm's verify step from the same builders), and a rollout afterwards compiles only its prefill."""
     from flax import nnx
 
-    from tlt_jax.adaptive import BanditConfig, parse_arms, reachable_plan
+    from tlt_jax.adaptive import BanditConfig, parse_arms
     from tlt_jax.models import CausalLM, tiny_config
     from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
+    from tlt_jax.rollout.plan import reachable_plan
     from tlt_jax.rollout.spec_steps import register_spec
 
     cfg = tiny_config(
@@ -138,7 +139,7 @@ def test_precompile_every_reachable_arm_and_bucket_of_an_engine():
     bandit = BanditConfig(parse_arms(["off", "ngram:2x2x4", "ngram:3x1x4"]))
     for arm in bandit.arms:
         if arm.speculative and not eng.pool.has_builder("verify", arm.pool_name):
-            register_spec(eng.pool, eng.ctx, arm.spec(), arm.kind)
+            register_spec(eng.pool, eng.ctx, eng.spec.for_arm(arm), arm.kind)
 
     def abstract_args(arm, b, length):
         state = eng.ctx.abstract_state(b)

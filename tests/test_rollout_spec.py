@@ -246,10 +246,19 @@ def test_generate_cli_with_ngram_drafter(monkeypatch, capsys):
         spec_depth=3,
         spec_topk=2,
         spec_verify_tokens=6,
+        chunk_size=2,  # adaptive: "off" runs the first chunk (untried arms in order), the tree the next
     )
     with flagsaver.flagsaver(**flags):
         gen.main([])
     out = capsys.readouterr().out
     assert "--- sample 1" in out and "tokens/s" in out
     line = next(x for x in out.splitlines() if "mean accept length" in x)
+    # Default --spec_arms=auto: the bandit tries "off" and the flags' tree (untried arms first), and reports both.
+    assert "adaptive, tokens/s per arm: ngram:3x2x6" in line and ", off " in line
+    assert float(line.split("mean accept length ")[1].split()[0]) >= 1.0
+    with flagsaver.flagsaver(**flags, spec_arms="fixed"):
+        gen.main([])
+    line = next(x for x in capsys.readouterr().out.splitlines() if "mean accept length" in x)
     assert "tree/ngram/d3k2n6" in line and float(line.split("mean accept length ")[1].split()[0]) >= 1.0
+    with flagsaver.flagsaver(**flags, spec_arms="off,ngram:3x2x99"), pytest.raises(SystemExit, match="3x2x99"):
+        gen.main([])

@@ -15,6 +15,7 @@ import os
 
 import ml_collections
 
+from tlt_jax.adaptive.arms import parse_arms
 from tlt_jax.distributed.mesh import MeshConfig
 from tlt_jax.typed_config import ConfigError, as_plain, build
 from tlt_jax.typed_config import require as _require
@@ -45,7 +46,7 @@ MODEL_SOURCES = ("tiny", "smollm2", "path")
 DATA_SOURCES = ("synthetic", "gsm_symbolic", "gsm8k_file")
 SCHEDULES = ("constant", "cosine", "linear")
 DTYPES = ("float32", "bfloat16")
-SPECULATIVE = ("off", "ngram", "eagle")
+SPECULATIVE = ("off", "ngram", "eagle", "adaptive")
 # Names the RL blocks accept. The config owns these lists (it imports nothing from tlt_jax.rl, which imports the
 # config: no package cycle); tlt_jax.rl's registries must hold exactly these names (tests/test_config.py checks).
 ADVANTAGES = ("drgrpo", "grpo", "rloo")
@@ -156,14 +157,31 @@ class RolloutConfig:
     spec_topk: int = 4
     spec_verify_tokens: int = 48
     num_slices: int = 1  # split the mesh's data axis into this many rollout slices (one engine each; see drafter)
+    # speculative="adaptive": a bandit per batch bucket picks one of spec_arms (comma-separated: "off" = plain, and
+    # "ngram:DxKxN" / "eagle:DxKxN" tree shapes; eagle needs drafter_path) per chunk from measured tokens/s; epsilon:
+    # exploration; window: round trips of its median; patience: chunks under spec_threshold before speculating.
+    spec_arms: str = ""  # e.g. "off,ngram:4x2x8,eagle:5x1x6"; the bandit state is checkpointed
+    spec_epsilon: float = 0.1
+    spec_window: int = 300
+    spec_patience: int = 0
 
     def validate(self, key: str) -> None:
+        self._validate_adaptive(key)
         _require(
             self.speculative in SPECULATIVE,
             f"{key}.speculative",
             f"must be one of {SPECULATIVE}, got {self.speculative!r}",
         )
-        if self.speculative == "eagle" and self.drafter_path:  # empty: see Config.validate (drafter.online)
+        if self.speculative == "adaptive" and "eagle:" in self.spec_arms.lower():
+            _require(
+                bool(self.drafter_path),
+                f"{key}.drafter_path",
+                "an 'eagle:' arm needs a drafter directory; write one with "
+                "`python -m tlt_jax.drafter.warmup --model=POLICY --out=DIR`, then set "
+                f"--config.{key}.drafter_path=DIR (or use only 'off' and 'ngram:' arms, which need none)",
+            )
+        needs_eagle = self.speculative == "eagle" or "eagle:" in self.spec_arms.lower()
+        if needs_eagle and self.drafter_path:  # eagle with an empty path: see Config.validate (drafter.online)
             _require(
                 os.path.isdir(self.drafter_path),
                 f"{key}.drafter_path",
@@ -192,6 +210,23 @@ class RolloutConfig:
         _require(self.top_k == 0, f"{key}.top_k", f"must be 0 (off) for RL rollouts, got {self.top_k}: {why}")
         _require(self.top_p == 1.0, f"{key}.top_p", f"must be 1.0 (off) for RL rollouts, got {self.top_p}: {why}")
         _require(self.max_new_tokens >= 1, f"{key}.max_new_tokens", "must be >= 1")
+
+
+    def _validate_adaptive(self, key: str) -> None:
+        adaptive = self.speculative == "adaptive"
+        why = f"is only used with speculative='adaptive' (it is {self.speculative!r}); set both or neither"
+        _require(adaptive or not self.spec_arms, f"{key}.spec_arms", why)
+        why = "speculative='adaptive' needs the bandit's arms, e.g. --config.rollout.spec_arms=off,ngram:4x2x8"
+        _require(not adaptive or bool(self.spec_arms), f"{key}.spec_arms", why)
+        if not adaptive:
+            return
+        try:
+            parse_arms(self.spec_arms)
+        except ValueError as e:
+            raise ConfigError(f"config.{key}.spec_arms: {e}") from None
+        _require(0.0 <= self.spec_epsilon <= 1.0, f"{key}.spec_epsilon", f"must be in [0, 1], got {self.spec_epsilon}")
+        _require(self.spec_window >= 1, f"{key}.spec_window", f"must be >= 1, got {self.spec_window}")
+        _require(self.spec_patience >= 0, f"{key}.spec_patience", f"must be >= 0, got {self.spec_patience}")
 
 
 @dataclasses.dataclass(frozen=True)

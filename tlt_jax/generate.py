@@ -1,9 +1,13 @@
 """Sample from a model: ``python -m tlt_jax.generate --model=PATH --prompt=TEXT [--num_samples=N]
-[--drafter=PATH|ngram --spec_depth=8 --spec_topk=4 --spec_verify_tokens=48 --spec_threshold=32]``.
+[--drafter=PATH|ngram --spec_depth=8 --spec_topk=4 --spec_verify_tokens=48 --spec_threshold=32 --spec_arms=auto]``.
 
 Generation runs on the RolloutEngine (prompt once, fork n, K-step chunks; with a drafter, tree speculative decoding
-once at most ``--spec_threshold`` samples are live). Prints the samples, tokens/s (compilation excluded) and, with a
-drafter, the mean accept length (tokens emitted per verify step and sample).
+once at most ``--spec_threshold`` samples are live). With a drafter the engine is adaptive by default
+(``--spec_arms=auto``): a bandit chooses per chunk between plain decoding ("off") and the ``--spec_*`` tree from
+measured tokens/s, so a drafter that does not pay off costs a few exploratory chunks, not the whole run;
+``--spec_arms=fixed`` always speculates with that tree, and a comma-separated list ("off,eagle:4x2x8,...") sets the
+arms. Prints the samples, tokens/s (compilation excluded) and, with a drafter, the mean accept length (tokens
+emitted per verify step and sample) and the arms' steps and tokens/s.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ flags.DEFINE_integer("spec_topk", _SPEC.topk, "Children per expanded draft node 
 flags.DEFINE_integer("spec_verify_tokens", _SPEC.verify_tokens, "Tree tokens verified per step, root included.")
 flags.DEFINE_integer("spec_threshold", _SPEC.threshold, "Speculative once at most this many samples are live.")
 flags.DEFINE_integer("spec_steps_per_call", _SPEC.steps_per_call, "EAGLE verify steps per host round trip.")
+flags.DEFINE_string(
+    "spec_arms", "auto", "'auto' (bandit over 'off' and the --spec_* tree), 'fixed' (that tree only), or a list."
+)
+flags.DEFINE_float("spec_epsilon", 0.1, "Adaptive: exploration probability of the bandit.")
 flags.DEFINE_integer("chunk_size", 8, "Plain decode steps per host round trip.")
 
 
@@ -128,6 +136,17 @@ def generate(
     )
 
 
+def cli_spec(f) -> SpecConfig:
+    """The SpecConfig of the --spec_* flags: adaptive over "off" and the flags' tree unless --spec_arms=fixed."""
+    kind = "ngram" if f.drafter == "ngram" else "eagle"
+    tree = f"{kind}:{f.spec_depth}x{f.spec_topk}x{f.spec_verify_tokens}"
+    fixed = SpecConfig(f.spec_depth, f.spec_topk, f.spec_verify_tokens, f.spec_threshold, f.spec_steps_per_call)
+    if f.spec_arms == "fixed":
+        return fixed
+    arms = ("off", tree) if f.spec_arms == "auto" else f.spec_arms
+    return dataclasses.replace(fixed, arms=arms, epsilon=f.spec_epsilon, seed=f.seed)
+
+
 def main(argv):
     del argv
     f = flags.FLAGS
@@ -148,7 +167,7 @@ def main(argv):
     drafter, spec = None, None
     if f.drafter:
         try:
-            spec = SpecConfig(f.spec_depth, f.spec_topk, f.spec_verify_tokens, f.spec_threshold, f.spec_steps_per_call)
+            spec = cli_spec(f)
             drafter = "ngram" if f.drafter == "ngram" else load_drafter(f.drafter, dtype)
         except (ValueError, OSError) as e:
             sys.exit(f"error: --drafter={f.drafter}: {e}")
@@ -179,8 +198,10 @@ def main(argv):
         f"{res.decode_s:.2f} s = {res.decode_tokens_per_s:.1f} tokens/s (batch {f.num_samples}, excluding compile)"
     )
     if spec is not None:
+        rates = ", ".join(f"{a} {v:.1f}" for a, v in st["arm_tokens_per_s"].items())
+        arms = st["spec"]["arm"] if st["bandit"] is None else f"adaptive, tokens/s per arm: {rates}"
         print(
-            f"--- speculative ({st['spec']['arm']}): mean accept length {st['mean_accept_length']:.2f} tokens per "
+            f"--- speculative ({arms}): mean accept length {st['mean_accept_length']:.2f} tokens per "
             f"verify step and sample, {st['verify_steps']} verify steps | SD on {st['sd_on_seconds']:.2f} s, off "
             f"{st['sd_off_seconds']:.2f} s | {st['tokens_per_s']:.1f} tokens/s overall (prefill + decode)"
         )

@@ -4,7 +4,6 @@ bucket from measured tokens/s, the hysteresis gate that switches speculation on,
 from tlt_jax.adaptive.arms import Arm, max_verify_tokens, parse_arm, parse_arms
 from tlt_jax.adaptive.bandit import Bandit, BanditConfig, make_bandit
 from tlt_jax.adaptive.gate import SpecGate
-from tlt_jax.adaptive.plan import reachable_plan, step_key
 from tlt_jax.adaptive.sync import agreed_seconds
 
 __all__ = [
@@ -17,6 +16,4 @@ __all__ = [
     "max_verify_tokens",
     "parse_arm",
     "parse_arms",
-    "reachable_plan",
-    "step_key",
 ]

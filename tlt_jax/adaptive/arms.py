@@ -11,8 +11,6 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from tlt_jax.rollout.spec_steps import SpecConfig
-
 DRAFTERS = ("ngram", "eagle")
 _SHAPE = re.compile(r"^(\d+)x(\d+)x(\d+)$")
 
@@ -63,14 +61,10 @@ class Arm:
             return "plain"
         return f"tree/{self.kind}/d{self.depth}k{self.topk}n{self.verify_tokens}"
 
-    def spec(self, threshold: int = 32, steps_per_call: int = 4) -> SpecConfig:
-        """The engine's SpecConfig for this tree shape (raises for "off", which has none)."""
-        if not self.speculative:
-            raise ValueError("arm 'off' has no SpecConfig: it is plain decoding")
-        return SpecConfig(self.depth, self.topk, self.verify_tokens, threshold, steps_per_call)
-
     @classmethod
-    def from_spec(cls, kind: str, spec: SpecConfig) -> Arm:
+    def from_spec(cls, kind: str, spec) -> Arm:
+        """The arm of a drafter kind and a tree shape (anything with depth / topk / verify_tokens, e.g. a
+        ``SpecConfig``; the engine's ``arm_spec`` goes the other way)."""
         return cls(kind, spec.depth, spec.topk, spec.verify_tokens)
 
     def __str__(self) -> str:

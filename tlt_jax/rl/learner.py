@@ -24,7 +24,7 @@ from tlt_jax.rewards import RewardFn
 from tlt_jax.rl.advantages import compute_advantages
 from tlt_jax.rl.logprobs import make_logprob_fn
 from tlt_jax.rl.train_step import LossConfig, TrainState, init_train_state, lr_schedule, make_optimizer, make_train_step
-from tlt_jax.rollout import SamplingParams
+from tlt_jax.rollout import SamplingParams, arm_share_metrics
 
 __all__ = [
     "GRPOLearner",
@@ -203,6 +203,7 @@ class GRPOLearner:
             metrics["rollout/accept_length"] = float(stats["mean_accept_length"])  # tokens per verify and row
             metrics["rollout/sd_on_s"] = float(stats["sd_on_seconds"])
             metrics["rollout/verify_steps"] = float(stats["verify_steps"])
+        metrics.update(arm_share_metrics(stats))  # adaptive engines: the share of decode steps each arm ran
         return metrics
 
     def _update(self, step: int, batch: dict[str, np.ndarray], progress) -> dict[str, float]:

@@ -4,6 +4,7 @@ tree speculative decoding (EAGLE or n-gram drafter) once the batch is small."""
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.params import HiddenCapture, RolloutResult, SamplingParams
 from tlt_jax.rollout.pool import StepKey, StepPool
+from tlt_jax.rollout.run import arm_share_metrics
 from tlt_jax.rollout.spec_steps import SpecConfig
 from tlt_jax.rollout.state import DecodeState
 
@@ -16,4 +17,5 @@ __all__ = [
     "SpecConfig",
     "StepKey",
     "StepPool",
+    "arm_share_metrics",
 ]

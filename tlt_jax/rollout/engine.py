@@ -25,14 +25,19 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from tlt_jax.adaptive import Arm, Bandit, BanditConfig
 from tlt_jax.distributed import LogicalRules, shard_module, single_device_mesh
 from tlt_jax.models import CausalLM, rollout_copy
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.params import HiddenCapture, RolloutResult, SamplingParams
+from tlt_jax.rollout.plan import reachable_plan
 from tlt_jax.rollout.pool import StepKey, StepPool
 from tlt_jax.rollout.run import GenerateRun
 from tlt_jax.rollout.spec_steps import SpecConfig, register_spec, resolve_drafter
 from tlt_jax.rollout.steps import StepContext, register_plain
+from tlt_jax.speculative import NgramDrafter
+
+OFF = Arm("off")
 
 
 class RolloutEngine:
@@ -43,15 +48,18 @@ class RolloutEngine:
     wave). max_len: KV-cache capacity per row (prompt + generated). chunk_size: decode steps per host round trip.
     batch_buckets / length_buckets: the shapes compiled steps are specialised to. precompile: compile every decode
     and compaction step ahead of time (prefill compiles on first use, its shape depends on the call). pool_budget:
-    most compiled steps kept (LRU). compaction: drop finished rows into smaller buckets (False keeps them frozen in
+    most compiled steps kept (LRU); pool_max_bytes: most bytes of compiled code kept (None = no byte bound).
+    compaction: drop finished rows into smaller buckets (False keeps them frozen in
     place; may be changed between calls). tail_threshold: chunks with at most this many live rows count as tail.
     capture: keep hidden states of a window of every finished sample (see HiddenCapture; its max_bytes may be
     changed between calls, window and side are compiled in). compiler_options: passed to every XLA compile.
     drafter: None, an EagleDrafter (its KV cache is kept current during plain decoding, then it drafts EAGLE-2
     trees on device), or "ngram" (trees from the row's prompt + output and its GRPO siblings, built on the host).
-    spec: the tree shape and the switch threshold (default SpecConfig() when a drafter is given); ``spec.threshold``
-    may be changed between calls (``engine.spec = dataclasses.replace(engine.spec, threshold=...)``: a host-side
-    decision), the tree shape is compiled in.
+    spec: the tree shape (or adaptive ``arms``: "ngram" arms need no drafter object, "eagle" arms an EagleDrafter)
+    and the switch threshold / patience (default SpecConfig() when a drafter is given); ``spec.threshold`` and
+    ``spec.patience`` may be changed between calls (``engine.spec = dataclasses.replace(engine.spec, threshold=...)``:
+    host-side decisions), tree shapes are compiled in. The adaptive bandit lives on the engine (across generate
+    calls); ``state_dict`` / ``load_state_dict`` carry it through checkpoints.
     dtype: rollout layout, e.g. jnp.bfloat16: decode with a cast copy of the params (and a KV cache) in that dtype;
     ``model`` and later ``set_params`` models stay fp32 masters. attention_impl: "xla" (default) or "pallas" (the
     tree-attention kernel for decode and verify; interpreted on CPU).
@@ -71,6 +79,7 @@ class RolloutEngine:
         length_buckets: Sequence[int] | None = None,
         precompile: bool = False,
         pool_budget: int = 128,
+        pool_max_bytes: int | None = None,
         compaction: bool = True,
         tail_threshold: int = 32,
         capture: HiddenCapture | None = None,
@@ -103,7 +112,13 @@ class RolloutEngine:
         self.max_stop_tokens = int(max_stop_tokens)
         self.drafter_kind, self.spec, drafter = resolve_drafter(drafter, spec, cfg)
         self.graphdef, self.params = nnx.split(shard_module(model, self.mesh, rules))
-        self.ngram = drafter if self.drafter_kind == "ngram" else None
+        # Arms: "off" + the speculative arms (adaptive: the bandit's list); the tree shape of each verify step.
+        self.arms = self.spec.engine_arms(self.drafter_kind) if self.spec else (Arm("off"),)
+        self.arm_specs = {a: self.spec.for_arm(a) for a in self.arms if a.speculative}
+        self.bandit = Bandit(self.spec.bandit_config()) if self.spec and self.spec.adaptive else None
+        ngram_arms = any(a.kind == "ngram" for a in self.arms)
+        self.ngram = NgramDrafter(2, 1) if ngram_arms and self.drafter_kind == "eagle" else None  # template only
+        self.ngram = drafter if self.drafter_kind == "ngram" else self.ngram
         self.drafter_graphdef, self.drafter_params = None, None
         if self.drafter_kind == "eagle":
             self.drafter_graphdef, self.drafter_params = nnx.split(shard_module(drafter, self.mesh, rules))
@@ -119,12 +134,17 @@ class RolloutEngine:
             mesh=self.mesh,
             rules=rules,
             drafter_graphdef=self.drafter_graphdef,
-            drafter_len=self.spec.drafter_len(self.max_len) if self.drafter_kind == "eagle" else 0,
-            report_tokens=self.drafter_kind == "ngram",
+            drafter_len=max(
+                (s.drafter_len(self.max_len) for a, s in self.arm_specs.items() if a.kind == "eagle"), default=0
+            ),
+            report_tokens=ngram_arms,  # the host builds n-gram trees from every emitted token, whatever the arm
         )
-        self.pool = StepPool(pool_budget, compiler_options)
+        self.pool = StepPool(pool_budget, compiler_options, max_bytes=pool_max_bytes)
         register_plain(self.pool, self.ctx)
-        self.spec_arm = register_spec(self.pool, self.ctx, self.spec, self.drafter_kind) if self.spec else None
+        for a, s in self.arm_specs.items():
+            register_spec(self.pool, self.ctx, s, a.kind)
+        spec_arms = [a.pool_name for a in self.arm_specs]
+        self.spec_arm = spec_arms[0] if len(spec_arms) == 1 else None  # the fixed arm's pool name (not adaptive)
         self._tree_shape = self._shape_of(self.spec)
         if precompile:
             self.precompile()
@@ -150,49 +170,61 @@ class RolloutEngine:
 
     @staticmethod
     def _shape_of(spec: SpecConfig | None):
-        return None if spec is None else dataclasses.replace(spec, threshold=0)
+        return None if spec is None else dataclasses.replace(spec, threshold=0, patience=0)
 
     def step_params(self) -> Any:
         """The params pytree every compiled step takes: the policy state, or (policy, drafter) with EAGLE."""
         return self.params if self.drafter_graphdef is None else (self.params, self.drafter_params)
 
-    def arm_for(self, active: int, batch: int) -> str:
-        """Decode arm for the next chunk: the speculative arm once at most ``spec.threshold`` rows are live."""
-        if self.spec is not None and active <= self.spec.threshold:
-            return self.spec_arm
-        return "plain"
+    def choose_arm(self, speculate: bool, batch: int) -> Arm:
+        """The arm of the next chunk: "off" unless the gate lets it speculate; then the fixed arm, or the bandit's
+        choice for this batch bucket (adaptive)."""
+        if not speculate:
+            return OFF
+        if self.bandit is None:
+            return next(iter(self.arm_specs))
+        return self.bandit.choose(batch)
 
-    def precompile(self, arms: Sequence[str] | None = None) -> None:
-        """Compile every (decode or verify, batch bucket, length bucket, arm) and compaction step ahead of time
-        (default arms: plain and the speculative arm; verify only for buckets the threshold can reach)."""
+    def state_dict(self) -> dict[str, Any]:
+        """Host state that outlives generate calls, as JSON values: the bandit's (empty when not adaptive)."""
+        return {"bandit": self.bandit.state_dict()} if self.bandit is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output (e.g. from a checkpoint)."""
+        if self.bandit is None:
+            if state.get("bandit") is not None:
+                raise ValueError("the saved engine state has a bandit but this engine is not adaptive (no spec.arms)")
+            return
+        if state.get("bandit") is None:
+            raise ValueError("the saved engine state has no bandit; it was saved by an engine without spec.arms")
+        self.bandit.load_state_dict(state["bandit"])
+
+    def precompile(self) -> None:
+        """Compile every reachable (decode or verify, arm, batch bucket, length bucket) and compaction step ahead
+        of time (verify only for buckets the threshold can reach; ``BanditConfig.reachable``)."""
         rep = self.ctx.replicated()
-        if arms is None:
-            arms = ("plain",) + ((self.spec_arm,) if self.spec else ())
-        tail = self.max_batch
-        if self.spec is not None and self.compaction:  # speculative steps only run in buckets the threshold reaches
-            tail = bk.pick(self.batch_buckets, max(1, min(self.spec.threshold, self.max_batch)))
-        for arm in arms:
-            for b in self.batch_buckets:
-                state = self.ctx.abstract_state(b)
-                if arm != "plain" and b > tail:
-                    continue
-                for length in self.length_buckets:
-                    if arm == "plain":
-                        self.pool.compile(StepKey("decode", b, length, arm), self.step_params(), state)
-                    else:
-                        self.pool.compile(StepKey("verify", b, length, arm), *self._verify_abstract(b, state))
-                if not self.compaction or arm != "plain":
-                    continue
-                for dst in self.batch_buckets:
-                    if dst < b:
-                        idx = jax.ShapeDtypeStruct((dst,), jnp.int32, sharding=rep)
-                        ok = jax.ShapeDtypeStruct((dst,), jnp.bool_, sharding=rep)
-                        self.pool.compile(StepKey("compact", dst, 0, "plain", (b,)), state, idx, ok)
+        threshold = self.spec.threshold if self.spec else 0
+        table = BanditConfig(self.arms)
+        self.pool.precompile(
+            reachable_plan(
+                table, self.batch_buckets, self.length_buckets, threshold, self._abstract_args, self.compaction
+            )
+        )
+        if not self.compaction:
+            return
+        for b in self.batch_buckets:
+            state = self.ctx.abstract_state(b)
+            for dst in self.batch_buckets:
+                if dst < b:
+                    idx = jax.ShapeDtypeStruct((dst,), jnp.int32, sharding=rep)
+                    ok = jax.ShapeDtypeStruct((dst,), jnp.bool_, sharding=rep)
+                    self.pool.compile(StepKey("compact", dst, 0, "plain", (b,)), state, idx, ok)
 
-    def _verify_abstract(self, b: int, state) -> tuple:
-        if self.drafter_kind != "ngram":
+    def _abstract_args(self, arm: Arm, b: int, length: int) -> tuple:
+        state = self.ctx.abstract_state(b)
+        if arm.kind != "ngram":
             return self.step_params(), state
-        shape = (b, self.spec.verify_tokens)
+        shape = (b, arm.verify_tokens)
         sh = self.ctx.batch_sharding(shape)
         tree = [jax.ShapeDtypeStruct(shape, dt, sharding=sh) for dt in (jnp.int32, jnp.int32, jnp.bool_)]
         return (self.step_params(), state, *tree)
@@ -270,7 +302,9 @@ class RolloutEngine:
         if (cap.window if cap else 0) != self.ctx.capture_window or (cap and cap.side != self.ctx.capture_side):
             raise ValueError("capture: only max_bytes may change after construction (window and side are compiled in)")
         if self._shape_of(self.spec) != self._tree_shape:
-            raise ValueError("spec: only threshold may change after construction (the tree shape is compiled in)")
+            raise ValueError(
+                "spec: only threshold and patience may change after construction (tree shapes and arms are fixed)"
+            )
         t_start = time.perf_counter()
         pool0 = self.pool.counters()
         n = int(params.n)

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from tlt_jax.adaptive import Arm, SpecGate, agreed_seconds
 from tlt_jax.distributed.multihost import to_host
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.params import RolloutResult, SamplingParams
+from tlt_jax.rollout.plan import step_key
 from tlt_jax.rollout.pool import StepKey
 from tlt_jax.rollout.spec_steps import propose_ngram
 from tlt_jax.rollout.state import RowInit, StepInfo
@@ -105,6 +107,7 @@ class GenerateRun:
         state, info, slots, plen_row, maxnew_row = self.prefill(rows)
         b, k = len(slots), e.chunk_size
         wave_t0, spec_on = time.perf_counter(), False
+        gate = SpecGate(e.spec.threshold, e.spec.patience) if e.spec else None  # per wave: hysteresis
         while True:
             done, ngen = info.done, info.num_generated
             real = slots >= 0
@@ -132,46 +135,48 @@ class GenerateRun:
                 b = nb
                 live = ~done
             committed = plen_row + ngen - 1
-            arm = e.arm_for(n_live, b)
-            if arm != "plain" and not spec_on:
+            arm = e.choose_arm(gate is not None and gate.update(n_live), b)
+            if arm.speculative and not spec_on:
                 spec_on = True
                 self.switches.append(dict(active=n_live, batch=b, after_seconds=time.perf_counter() - wave_t0))
             # Cache positions a call reads: the committed length at its last (decode or verify) step.
-            ahead = k - 1 if arm == "plain" else (self._spec_steps() - 1) * (e.spec.depth + 1)
+            ahead = k - 1
+            if arm.speculative:
+                ahead = (self._spec_steps(arm) - 1) * (arm.depth + 1)
             need = int(np.max(np.minimum(committed + ahead, plen_row + maxnew_row - 1)[live]))
             length = bk.pick(e.length_buckets, max(need, 1))
             t0 = time.perf_counter()
-            if arm == "plain":
-                key, args = StepKey("decode", b, length, arm), (e.step_params(), state)
-            elif e.ngram is not None:
-                tree = self._ngram_trees(live, slots)
-                key, args = StepKey("verify", b, length, arm), (e.step_params(), state, *map(self._put, tree))
-            else:
-                key, args = StepKey("verify", b, length, arm), (e.step_params(), state)
+            key, args = step_key(arm, b, length), (e.step_params(), state)
+            if arm.kind == "ngram":
+                args = (*args, *map(self._put, self._ngram_trees(arm, live, slots)))
             host_s = time.perf_counter() - t0
             exe = e.pool.get(key, *args)
             t0 = time.perf_counter()
             state, packed = exe(*args)
-            info = StepInfo.unpack(jax.device_get(packed), speculative=arm != "plain")
+            info = StepInfo.unpack(jax.device_get(packed), speculative=arm.speculative)
             dt = time.perf_counter() - t0 + host_s
             emitted = info.num_generated - ngen
-            chunk = dict(batch=b, active=n_live, length=length, arm=arm, seconds=dt, tokens=int(emitted.sum()))
-            if arm == "plain":
-                self.steps += int(emitted.max(initial=0))
+            tokens = int(emitted.sum())
+            chunk = dict(batch=b, active=n_live, length=length, arm=key.arm, choice=str(arm), seconds=dt, tokens=tokens)
+            if not arm.speculative:
+                chunk["steps"] = int(emitted.max(initial=0))
             else:
-                self.steps += int(info.verifies.max(initial=0))
+                chunk["steps"] = int(info.verifies.max(initial=0))
                 chunk.update(
-                    verify_steps=int(info.verifies.max(initial=0)),
+                    verify_steps=chunk["steps"],
                     row_verifies=int(info.verifies.sum()),
                     accepted=int(info.accepted.sum()),
                     host_seconds=host_s,
                 )
+            self.steps += chunk["steps"]
+            if e.bandit is not None:  # every process feeds the same numbers: tokens are replicated, seconds agreed
+                e.bandit.observe(arm, b, tokens, agreed_seconds(dt), chunk["steps"])
             self._keep_tokens(info, ngen, slots)
             self.chunks.append(chunk)
         self._harvest(state, slots >= 0, slots, info.num_generated)
 
-    def _spec_steps(self) -> int:
-        return 1 if self.e.ngram is not None else self.e.spec.steps_per_call
+    def _spec_steps(self, arm: Arm) -> int:
+        return 1 if arm.kind == "ngram" else self.e.arm_specs[arm].steps_per_call
 
     def _keep_tokens(self, info: StepInfo, ngen_before: np.ndarray, slots: np.ndarray) -> None:
         """n-gram drafting: append each row's newly emitted tokens (``info.tokens``) to its sample's history."""
@@ -181,7 +186,7 @@ class GenerateRun:
         for r in np.nonzero((new > 0) & (slots >= 0))[0]:
             self.gen[slots[r]].extend(info.tokens[: new[r], r].tolist())
 
-    def _ngram_trees(self, live: np.ndarray, slots: np.ndarray):
+    def _ngram_trees(self, arm: Arm, live: np.ndarray, slots: np.ndarray):
         """Host n-gram trees for the batch: sources are each row's prompt + output and its GRPO group's other
         samples (rows in the batch, and samples already finished or compacted away)."""
         n = self.params.n
@@ -199,7 +204,7 @@ class GenerateRun:
                 if slot not in in_batch and self.gen[slot]:
                     contexts.append(np.asarray(self.prompts[i] + self.gen[slot], np.int64))
                     groups.append(i)
-        return propose_ngram(self.e.ngram, self.e.spec, contexts, groups, live, tuple(sorted(self.stops)))
+        return propose_ngram(self.e.ngram, self.e.arm_specs[arm], contexts, groups, live, tuple(sorted(self.stops)))
 
     def _harvest(self, state, finished: np.ndarray, slots: np.ndarray, ngen: np.ndarray) -> None:
         """Keep (on device, copying to host in the background) the outputs of rows that finished."""
@@ -263,6 +268,14 @@ class GenerateRun:
             d["chunks"] += 1
         for d in by_batch.values():
             d["tokens_per_s"] = d["tokens"] / d["seconds"] if d["seconds"] > 0 else 0.0
+        arm_steps: dict[int, dict[str, int]] = {}
+        per_arm: dict[str, list[float]] = {}
+        for c in self.chunks:
+            per = arm_steps.setdefault(c["batch"], {})
+            per[c["choice"]] = per.get(c["choice"], 0) + c["steps"]
+            t = per_arm.setdefault(c["choice"], [0, 0.0])
+            t[0] += c["tokens"]
+            t[1] += c["seconds"]
         spec = [c for c in self.chunks if c["arm"] != "plain"]
         on_s = sum(c["seconds"] for c in spec)
         row_verifies = sum(c["row_verifies"] for c in spec)
@@ -273,6 +286,9 @@ class GenerateRun:
             steps=self.steps,
             tokens_per_s=total / (prefill_s + decode_s) if prefill_s + decode_s > 0 else 0.0,
             arms=dict(collections.Counter(c["arm"] for c in self.chunks)),
+            arm_steps=dict(sorted(arm_steps.items())),
+            arm_tokens_per_s={a: t / s for a, (t, s) in sorted(per_arm.items()) if s > 0},
+            bandit=e.bandit.stats() if e.bandit is not None else None,
             sd_on_seconds=on_s,
             sd_off_seconds=decode_s - on_s,
             verify_steps=sum(c["verify_steps"] for c in spec),
@@ -280,7 +296,9 @@ class GenerateRun:
             spec=dict(
                 arm=e.spec_arm,
                 drafter=e.drafter_kind,
+                arms=[str(a) for a in e.arms],
                 threshold=e.spec.threshold if e.spec else None,
+                patience=e.spec.patience if e.spec else None,
                 switches=self.switches,
                 row_verifies=row_verifies,
                 accepted_drafts=sum(c["accepted"] for c in spec),
@@ -300,3 +318,17 @@ class GenerateRun:
             tail_seconds=tail_s,
             tail_share=tail_s / decode_s if decode_s > 0 else 0.0,
         )
+
+
+def arm_share_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """Per-step metrics of an adaptive rollout: ``rollout/arm_share/ARM`` = the share of decode + verify steps that
+    ran ARM (over every batch bucket), and ``rollout/arm_tokens_per_s/ARM``. Empty when the engine is not adaptive."""
+    if stats.get("bandit") is None:
+        return {}
+    steps: dict[str, int] = collections.Counter()
+    for per in stats["arm_steps"].values():
+        steps.update(per)
+    total = sum(steps.values())
+    out = {f"rollout/arm_share/{a}": s / total for a, s in sorted(steps.items()) if total}
+    out.update({f"rollout/arm_tokens_per_s/{a}": float(v) for a, v in stats["arm_tokens_per_s"].items()})
+    return out

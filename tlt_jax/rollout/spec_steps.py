@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax.adaptive.arms import Arm, parse_arms
+from tlt_jax.adaptive.bandit import BanditConfig
 from tlt_jax.rollout.pool import StepKey, StepPool
 from tlt_jax.rollout.state import DecodeState
 from tlt_jax.rollout.steps import StepContext, step_info
@@ -41,6 +43,12 @@ class SpecConfig:
     verify_tokens: tree size N incl. the root (tokens the policy verifies per row and step), at most the EAGLE-2
     candidate pool + 1 = 1 + topk + (depth - 1) * topk**2. threshold: speculative steps once the live rows of a wave
     are at most this many (0 = never). steps_per_call: EAGLE verify steps per host round trip (n-gram: always 1).
+    patience: chunks the live rows must stay at or under the threshold before speculation turns on (hysteresis).
+
+    Adaptive (issue 17): ``arms`` (e.g. ("off", "ngram:4x2x8", "eagle:5x1x6")) lets a per-batch-bucket BEG-MAB
+    bandit (``tlt_jax.adaptive.Bandit``: untried arms first, then epsilon-greedy on the sliding-window median tokens/s
+    over ``window`` round trips, exploration seeded by ``seed``) choose the arm of every chunk the gate lets
+    speculate; depth / topk / verify_tokens are then unused. Without arms the engine runs the one tree shape above.
     """
 
     depth: int = 8
@@ -48,8 +56,18 @@ class SpecConfig:
     verify_tokens: int = 48
     threshold: int = 32
     steps_per_call: int = 4
+    patience: int = 0
+    arms: tuple = ()
+    epsilon: float = 0.1
+    window: int = 300
+    seed: int = 0
 
     def __post_init__(self):
+        if int(self.patience) != self.patience or self.patience < 0:
+            raise ValueError(f"SpecConfig.patience must be an integer >= 0 (chunks to wait), got {self.patience}")
+        if self.arms:
+            object.__setattr__(self, "arms", parse_arms(self.arms))
+            self.bandit_config()  # validates epsilon / window / seed with the bandit's own messages
         for name in ("depth", "topk", "steps_per_call"):
             v = getattr(self, name)
             if int(v) != v or v < 1:
@@ -74,6 +92,26 @@ class SpecConfig:
     def drafter_len(self, max_len: int) -> int:
         """EAGLE drafter cache slots: the committed context plus the draft tree's scratch."""
         return max_len + (self.depth - 1) * self.topk
+
+    @property
+    def adaptive(self) -> bool:
+        return bool(self.arms)
+
+    def bandit_config(self) -> BanditConfig:
+        """The bandit over ``arms`` (adaptive configs only)."""
+        return BanditConfig(self.arms, epsilon=self.epsilon, window=self.window, seed=self.seed)
+
+    def engine_arms(self, kind: str | None) -> tuple[Arm, ...]:
+        """The arms an engine with this drafter kind runs: ``arms``, or "off" + the one tree shape of ``kind``."""
+        if self.arms:
+            return self.arms
+        return (Arm("off"), Arm.from_spec(kind, self))
+
+    def for_arm(self, arm: Arm) -> SpecConfig:
+        """This config with the tree shape of a speculative arm (the verify steps compile it in)."""
+        if not arm.speculative:
+            raise ValueError("arm 'off' has no tree shape: it is plain decoding")
+        return dataclasses.replace(self, depth=arm.depth, topk=arm.topk, verify_tokens=arm.verify_tokens, arms=())
 
 
 def commit_verify(state: DecodeState, out: VerifyOutput, side: str) -> DecodeState:
@@ -150,6 +188,7 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
         model, drafter = ctx.merge(params)
         head = draft_head(model, drafter)  # draft-vocabulary rows of the LM head: gathered once per call
         zero = jnp.zeros_like(state.num_generated)
+        ngen = state.num_generated
 
         def cond(c):
             return (c[0] < spec.steps_per_call) & jnp.any(~c[1].done)
@@ -161,7 +200,8 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
             return i + 1, s, nv + active, acc + jnp.where(active, alen, 0)
 
         _, state, nv, acc = jax.lax.while_loop(cond, body, (jnp.int32(0), state, zero, zero))
-        return state, step_info(state, verifies=nv, accepted=acc)
+        width = spec.steps_per_call * (spec.depth + 1) if ctx.report_tokens else 0  # n-gram arms beside EAGLE
+        return state, step_info(state, ngen, width, verifies=nv, accepted=acc)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
     return jax.jit(step, donate_argnums=(1,), out_shardings=out_sh)
@@ -222,27 +262,36 @@ def propose_ngram(
 def resolve_drafter(drafter: Any, spec: SpecConfig | None, cfg) -> tuple[str | None, SpecConfig | None, Any]:
     """(kind, spec, drafter) from the engine arguments: kind "eagle" | "ngram" | None; spec defaults to SpecConfig()
     when a drafter is given; an NgramDrafter instance serves as the template of the n-gram options; an EAGLE drafter
-    is anything that implements ``TreeDrafter`` (``tlt_jax.drafter.EagleDrafter``)."""
+    is anything that implements ``TreeDrafter`` (``tlt_jax.drafter.EagleDrafter``). Adaptive specs: "ngram" arms run
+    with any drafter (or none), "eagle" arms need an EAGLE drafter."""
+    if spec is not None and not isinstance(spec, SpecConfig):
+        raise ValueError(f"spec must be a SpecConfig, got {type(spec).__name__}")
     if drafter is None:
-        if spec is not None:
+        if spec is None:
+            return None, None, None
+        if not spec.adaptive:
             raise ValueError("spec was given without a drafter: pass drafter=EagleDrafter(...) or drafter='ngram'")
-        return None, None, None
+        drafter = "ngram"
     if spec is None:
         spec = SpecConfig()
-    if not isinstance(spec, SpecConfig):
-        raise ValueError(f"spec must be a SpecConfig, got {type(spec).__name__}")
+    eagle_arms = [str(a) for a in spec.arms if a.kind == "eagle"]
     if isinstance(drafter, str):
         if drafter != "ngram":
             raise ValueError(f"drafter must be None, an EagleDrafter, or 'ngram'; got {drafter!r}")
-        return "ngram", spec, NgramDrafter(num_nodes=spec.verify_tokens, max_depth=spec.depth)
+        drafter = NgramDrafter(num_nodes=spec.verify_tokens, max_depth=spec.depth)
     if isinstance(drafter, NgramDrafter):
+        if eagle_arms:
+            raise ValueError(f"spec.arms {eagle_arms} need an EAGLE drafter: pass drafter=EagleDrafter(...)")
         return "ngram", spec, drafter
     if isinstance(drafter, TreeDrafter):
         d = drafter.config
         for f in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(d, f) != getattr(cfg, f):
                 raise ValueError(f"drafter {f}={getattr(d, f)} does not match the policy's {getattr(cfg, f)}")
-        if spec.topk > cfg.vocab_size:
-            raise ValueError(f"SpecConfig.topk={spec.topk} exceeds the vocabulary ({cfg.vocab_size})")
+        if spec.adaptive and not eagle_arms:
+            raise ValueError("an EAGLE drafter was given but spec.arms has no 'eagle:DxKxN' arm; add one or drop it")
+        top = max([spec.topk] + [a.topk for a in spec.arms if a.kind == "eagle"])
+        if top > cfg.vocab_size:
+            raise ValueError(f"SpecConfig.topk={top} exceeds the vocabulary ({cfg.vocab_size})")
         return "eagle", spec, drafter
     raise ValueError(f"drafter must be None, an EagleDrafter, or 'ngram'; got {type(drafter).__name__}")

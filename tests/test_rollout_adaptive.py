@@ -1,0 +1,178 @@
+"""The adaptive engine (issue 17): one engine holds both drafters and a BEG-MAB bandit picks "off", an n-gram or an
+EAGLE tree shape for every chunk. Lossless whatever it picks: greedy and sampled output equal plain decoding token
+for token with arms switching inside a wave, and the law of the first two sampled tokens passes a chi-square test
+against the exact joint. The bandit lives on the engine across generate calls and round-trips through state_dict;
+the hysteresis gate delays speculation by ``patience`` chunks; arms are validated against the drafter given."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy.stats import chisquare
+
+from tlt_jax.drafter import EagleDrafter
+from tlt_jax.models import CausalLM, tiny_config
+from tlt_jax.rollout import HiddenCapture, RolloutEngine, SamplingParams, SpecConfig
+
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+CFG = tiny_config(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, eos_token_ids=()
+)
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+MAX_NEW = [12, 30, 20]
+KW = dict(
+    max_batch=8,
+    max_len=64,
+    length_buckets=(64,),
+    batch_buckets=(8, 2),
+    capture=HiddenCapture(window=6),
+    compiler_options=FAST,
+)
+ARMS = ("off", "ngram:3x2x6", "eagle:3x2x6")
+GREEDY = SamplingParams(temperature=0.0, n=2, max_new_tokens=MAX_NEW, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, n=2, max_new_tokens=MAX_NEW, seed=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return CausalLM(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return EagleDrafter(CFG, rngs=nnx.Rngs(1))
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return RolloutEngine(model, **KW)
+
+
+@pytest.fixture(scope="module")
+def adaptive(model, drafter):
+    """epsilon = 1: after each arm's first try every chunk picks a random arm, so arms switch inside waves. Every
+    reachable (arm, bucket) is precompiled."""
+    spec = SpecConfig(arms=ARMS, epsilon=1.0, threshold=8, seed=1)
+    return RolloutEngine(model, drafter=drafter, spec=spec, precompile=True, **KW)
+
+
+def assert_same(res, ref):
+    assert res.tokens == ref.tokens and res.finish_reason == ref.finish_reason
+    flat = lambda r: np.concatenate([np.asarray(x) for row in r.logprobs for x in row])  # noqa: E731
+    np.testing.assert_allclose(flat(res), flat(ref), atol=1e-5, rtol=0)
+    for row, ref_row in zip(res.hidden, ref.hidden, strict=True):
+        for h, h_ref in zip(row, ref_row, strict=True):
+            np.testing.assert_allclose(h, h_ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_arms_switching_mid_wave_equal_plain_greedy_and_sampled(adaptive, plain):
+    for params in (GREEDY, SAMPLED):
+        res = adaptive.generate(PROMPTS, params)
+        assert_same(res, plain.generate(PROMPTS, params))
+        st = res.stats
+        choices = [c["choice"] for c in st["chunks"]]
+        assert set(choices) == set(ARMS)  # every arm ran in this one wave: at least two switches mid-generation
+        assert sum(s for per in st["arm_steps"].values() for s in per.values()) == st["steps"]
+        assert set(st["arm_tokens_per_s"]) == set(ARMS) and min(st["arm_tokens_per_s"].values()) > 0
+        assert st["bandit"]["choices"][8]["untried"] == 3
+    assert sum(c["explore"] for c in st["bandit"]["choices"].values()) > 0  # random picks after the first tries
+
+
+def test_bandit_state_lives_across_calls_and_round_trips(adaptive, model, drafter):
+    def chosen(st):
+        return sum(sum(c.values()) for c in st["bandit"]["choices"].values())
+
+    first = adaptive.generate(PROMPTS, GREEDY).stats
+    second = adaptive.generate(PROMPTS, GREEDY).stats
+    assert chosen(second) > chosen(first)  # the counters (and windows) carry over: one bandit per engine
+    assert second["bandit"]["choices"][8]["untried"] == 3  # arms tried in an earlier call are not tried again
+    assert second["pool_this_call"]["compiles"] == 0  # precompiled: whatever the bandit picks (prefill: call 1)
+    state = adaptive.state_dict()
+    spec = SpecConfig(arms=ARMS, epsilon=1.0, threshold=8, seed=1)
+    other = RolloutEngine(model, drafter=drafter, spec=spec, **KW)
+    other.load_state_dict(state)
+    assert other.state_dict() == state
+    assert [str(other.bandit.choose(8)) for _ in range(20)] == [str(adaptive.bandit.choose(8)) for _ in range(20)]
+    with pytest.raises(ValueError, match="differ from the configured arms"):
+        RolloutEngine(model, drafter=drafter, spec=dataclasses.replace(spec, arms=ARMS[::-1]), **KW).load_state_dict(
+            state
+        )
+    with pytest.raises(ValueError, match="not adaptive"):
+        RolloutEngine(model, **KW).load_state_dict(state)
+
+
+def test_patience_delays_speculation_and_ngram_arms_need_no_drafter(model, plain):
+    spec = SpecConfig(arms=("off", "ngram:3x2x6"), epsilon=0.0, threshold=8, patience=2)
+    eng = RolloutEngine(model, spec=spec, pool_max_bytes=10**9, **KW)  # n-gram arms: no drafter object
+    res = eng.generate(PROMPTS, GREEDY)
+    assert_same(res, plain.generate(PROMPTS, GREEDY))
+    pool = res.stats["pool"]
+    assert pool["max_bytes"] == 10**9 and 0 < pool["bytes"] <= 10**9 and pool["evictions"] == 0
+    choices = [c["choice"] for c in res.stats["chunks"]]
+    # Gate closed for `patience` chunks (plain chunks still teach the bandit "off"), then the untried n-gram arm.
+    assert choices[:3] == ["off", "off", "ngram:3x2x6"] and res.stats["spec"]["switches"][0]["active"] <= 8
+    best = eng.bandit.best(8)
+    eng.spec = dataclasses.replace(eng.spec, patience=0)  # host-side: no recompile
+    again = eng.generate(PROMPTS, GREEDY)
+    assert again.stats["chunks"][0]["choice"] == str(best)  # epsilon = 0: exploit from the first chunk
+    assert again.tokens == res.tokens
+
+
+def test_adaptive_arguments_are_validated(model, drafter):
+    with pytest.raises(ValueError, match="need an EAGLE drafter"):
+        RolloutEngine(model, drafter="ngram", spec=SpecConfig(arms=ARMS), **KW)
+    with pytest.raises(ValueError, match="need an EAGLE drafter"):
+        RolloutEngine(model, spec=SpecConfig(arms=ARMS), **KW)
+    with pytest.raises(ValueError, match="has no 'eagle:DxKxN' arm"):
+        RolloutEngine(model, drafter=drafter, spec=SpecConfig(arms=("off", "ngram:3x2x6")), **KW)
+    for kw, match in [
+        (dict(arms=("off", "eagle:3x2x99")), r"\[2, 11\]"),
+        (dict(arms=("off", "off")), "listed twice"),
+        (dict(arms=ARMS, epsilon=2.0), "epsilon"),
+        (dict(arms=ARMS, window=0), "window"),
+        (dict(patience=-1), "patience"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SpecConfig(**kw)
+
+
+@pytest.mark.slow
+def test_first_two_tokens_chi_square_with_random_arms():
+    """2048 samples in 32 waves of 64; with epsilon = 1 each wave's verify chunks pick random arms. The joint law of
+    the first two generated tokens must be plain sampling's exact joint (64 cells)."""
+    v = 8
+    cfg = tiny_config(
+        vocab_size=v, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, eos_token_ids=()
+    )
+    m = CausalLM(cfg, rngs=nnx.Rngs(2))
+    m.lm_head[...] = m.lm_head[...] * 12.0  # spread the distributions
+    prompt = [1, 2, 3]
+    spec = SpecConfig(arms=("off", "ngram:2x2x4", "eagle:2x2x4"), epsilon=1.0, threshold=64, seed=4)
+    eng = RolloutEngine(
+        m,
+        drafter=EagleDrafter(cfg, rngs=nnx.Rngs(5)),
+        spec=spec,
+        max_batch=64,
+        max_len=16,
+        length_buckets=(16,),
+        batch_buckets=(64,),
+        chunk_size=1,
+        compiler_options=FAST,
+    )
+    res = eng.generate([prompt], SamplingParams(temperature=1.0, n=2048, max_new_tokens=2, seed=7, ignore_eos=True))
+    firsts = {c["choice"] for c in res.stats["chunks"]}
+    assert firsts == {"off", "ngram:2x2x4", "eagle:2x2x4"}
+    pairs = np.array([s[:2] for s in res.tokens[0]])
+    counts = np.bincount(pairs[:, 0] * v + pairs[:, 1], minlength=v * v).astype(float)
+    logp = lambda ids: np.asarray(jax.nn.log_softmax(m(jnp.array([ids])).logits[0, -1].astype(jnp.float32)))  # noqa: E731
+    p1 = np.exp(logp(prompt))
+    joint = np.concatenate([p1[a] * np.exp(logp(prompt + [a])) for a in range(v)])
+    exp = joint * counts.sum()
+    big = exp >= 5
+    obs_b = np.append(counts[big], counts[~big].sum())
+    exp_b = np.append(exp[big], exp[~big].sum())
+    assert chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum()).pvalue > 1e-3
