@@ -463,3 +463,45 @@ def test_resume_keeps_the_run_key_and_refuses_another_model(tmp_path, caplog):
     assert any("train.seed=7 is not the seed this run started with" in r.getMessage() for r in caplog.records)
     assert sorted(_train_rows(resumed)) == [2]
     _assert_same_metrics(_train_rows(ref)[2], _train_rows(resumed)[2], 2)
+
+
+def test_rollout_layout_bf16_pallas(tmp_path):
+    """rollout.dtype / rollout.attention_impl reach the engine: it decodes a bfloat16 copy of the float32 policy with
+    the Pallas tree-attention kernel (interpret mode on CPU); the copy is re-made after the update (time/reshard_s)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tlt_jax.distributed import make_mesh
+    from tlt_jax.main import build_data, build_engine, build_model
+
+    cfg = _cfg(
+        "tiny.py",
+        "--config.rollout.dtype=bfloat16",
+        "--config.rollout.attention_impl=pallas",
+        "--config.train.num_steps=1",
+        "--config.eval.at_start=False",
+        "--config.eval.max_new_tokens=2",
+    )
+    mesh = make_mesh(cfg.mesh)
+    model, tok = build_model(cfg, mesh)
+    engine = build_engine(cfg, model, mesh, build_data(cfg, tok, model.config))
+    assert {x.dtype for x in jax.tree.leaves(engine.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(nnx_state(model))} == {jnp.dtype(jnp.float32)}  # masters untouched
+    assert nnx_merge(engine).attention_impl == "pallas"
+    run(cfg, str(tmp_path))
+    row = _train_rows(tmp_path)[1]
+    assert np.isfinite(row["train/loss"]) and row["time/reshard_s"] > 0
+    with pytest.raises(ConfigError, match="rollout.attention_impl"):
+        _cfg("tiny.py", "--config.rollout.attention_impl=triton")
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model, nnx.Param)
+
+
+def nnx_merge(engine):
+    from flax import nnx
+
+    return nnx.merge(engine.graphdef, engine.params)

@@ -146,8 +146,8 @@ class RolloutConfig:
     max_new_tokens: int = 16
     # Lossless tree speculative decoding in the rollout tail: "off", "ngram" (model-free drafter over the prompt, the
     # row's output and its GRPO siblings) or "eagle" (the trained EAGLE drafter in drafter_path, written by
-    # `python -m tlt_jax.drafter.warmup --out=DIR`; its weights stay fixed during RL). Rollout samples are identical
-    # either way; only their speed changes.
+    # `python -m tlt_jax.drafter.warmup --out=DIR`; fixed during RL unless drafter.online). Rollout samples are
+    # identical either way; only their speed changes.
     speculative: str = "off"
     drafter_path: str = ""  # speculative="eagle": the drafter directory (save_drafter format); ignored otherwise
     spec_threshold: int = 32  # decode speculatively once a wave has at most this many live rows
@@ -156,6 +156,11 @@ class RolloutConfig:
     spec_depth: int = 8
     spec_topk: int = 4
     spec_verify_tokens: int = 48
+    # Rollout layout: the engines decode a copy of the policy in ``dtype`` ("" = the policy's own; "bfloat16" halves
+    # weight and KV traffic while the trainer keeps float32 masters; the copy is re-made after every update, timed as
+    # time/reshard_s) with attention by "xla" or the "pallas" tree-attention kernel (decode / verify only).
+    dtype: str = ""
+    attention_impl: str = "xla"
     num_slices: int = 1  # split the mesh's data axis into this many rollout slices (one engine each; see drafter)
     # speculative="adaptive": a bandit per batch bucket picks one of spec_arms (comma-separated: "off" = plain, and
     # "ngram:DxKxN" / "eagle:DxKxN" tree shapes; eagle needs drafter_path) per chunk from measured tokens/s; epsilon:
@@ -167,6 +172,8 @@ class RolloutConfig:
 
     def validate(self, key: str) -> None:
         self._validate_adaptive(key)
+        _require(self.dtype in ("",) + DTYPES, f"{key}.dtype", f"must be '' (the policy's) or one of {DTYPES}")
+        _require(self.attention_impl in ("xla", "pallas"), f"{key}.attention_impl", "must be 'xla' or 'pallas'")
         _require(
             self.speculative in SPECULATIVE,
             f"{key}.speculative",
@@ -406,6 +413,12 @@ class Config:
                 f"must be < model.tiny.vocab_size ({self.model.tiny.vocab_size})",
             )
         self._validate_drafter()
+        _require(
+            not (self.rollout.dtype and self.drafter.online),
+            "rollout.dtype",
+            "online drafter training reads the rollout's hidden states in the policy's dtype; leave rollout.dtype "
+            "empty with drafter.online=True",
+        )
         mini = self.rl.mini_batch_prompts or self.data.prompts_per_step
         _require(
             self.data.prompts_per_step % mini == 0,
