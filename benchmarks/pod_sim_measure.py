@@ -209,10 +209,9 @@ def validate_spec(
     """Speculative tail on CPU: SmolLM2 + the committed EAGLE drafter, held-out GSM prompts, greedy, stop at EOS,
     speculative once <= threshold rows are live. The simulator gets the response lengths and the mean accept length
     of a warm-up run (greedy: every run emits the same tokens) and the measured per-call costs, not the run's time."""
-    from tlt_jax.rollout import SpecConfig
-
     from tlt_jax.drafter.export import load_drafter
     from tlt_jax.drafter.warmup import load_policy_and_prompts
+    from tlt_jax.rollout import SpecConfig
 
     CPU["on"] = True
     policy, prompts, stops = load_policy_and_prompts(None, prompts_n, 1000, "eval")

@@ -316,12 +316,12 @@ def test_gsm8k_default_config_one_small_step(tmp_path):
 
 
 def _tiny_drafter(cfg, path, **overrides):
-    """A random-weight EAGLE drafter of the tiny policy's shape (main.build_model's config), saved to ``path``:
+    """A random-weight EAGLE drafter of the tiny policy's shape (builders.build_model's config), saved to ``path``:
     losslessness does not depend on the drafter's quality."""
     from flax import nnx
 
+    from tlt_jax.builders import tiny_model_config
     from tlt_jax.drafter import EagleDrafter, save_drafter
-    from tlt_jax.main import tiny_model_config
 
     save_drafter(EagleDrafter(tiny_model_config(cfg, **overrides), rngs=nnx.Rngs(0)), path)
     return str(path)
@@ -471,8 +471,8 @@ def test_rollout_layout_bf16_pallas(tmp_path):
     import jax
     import jax.numpy as jnp
 
+    from tlt_jax.builders import build_data, build_engine, build_model
     from tlt_jax.distributed import make_mesh
-    from tlt_jax.main import build_data, build_engine, build_model
 
     cfg = _cfg(
         "tiny.py",

@@ -56,7 +56,7 @@ def _enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-# The builders live in tlt_jax.builders; re-exported here because they are part of how the job is assembled.
+# The builders of the job (model, data, reward, engine) live in tlt_jax.builders.
 from tlt_jax.builders import (  # noqa: E402
     build_data,
     build_engine,
