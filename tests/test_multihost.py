@@ -181,7 +181,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tlt_jax.data import prompt_dataset
 from tlt_jax.distributed import make_mesh
 from tlt_jax.distributed.multihost import ProcessShardedReward, gather_global_batch, reduce_metrics, to_host
-from tlt_jax.rl.learner import RewardOutput
+from tlt_jax.rewards import RewardOutput
 
 me = jax.process_index()
 examples = [{"prompt_ids": [i, np.int64(i)], "ground_truth": str(i)} for i in range(12)]
