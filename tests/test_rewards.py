@@ -151,11 +151,12 @@ def test_timeouts_and_errors_score_zero_and_are_counted():
 
 
 def test_uninterruptible_hang_hits_batch_deadline():
-    with ParallelScorer(_stuck_score, num_workers=2, timeout_s=0.2, grace_s=1.0) as scorer:
+    # Generous per-item time (1 s): a loaded machine must still score the healthy item in time.
+    with ParallelScorer(_stuck_score, num_workers=2, timeout_s=1.0, grace_s=2.0) as scorer:
         assert scorer(["#### 1"], ["1"]).scores.tolist() == [1.0]  # warm the pool so start-up is not timed
         t0 = time.monotonic()
         out = scorer(["stuck", "#### 2"], ["1", "2"])
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 15
         assert out.scores.tolist() == [0.0, 1.0] and out.num_timeouts == 1
         assert scorer(["#### 3"], ["3"]).scores.tolist() == [1.0]  # a fresh pool replaced the stuck one
 

@@ -18,17 +18,25 @@ class Data:
 
 
 def synthetic_examples(cfg, vocab_size: int, avoid: Sequence[int], count: int, seed: int) -> list[dict]:
-    """Random prompts (ids never equal to the target or special tokens) for the target-token task."""
+    """Random prompts (ids never equal to the target or special tokens) for the target-token task; with
+    ``answer_len_sigma`` each also carries its own long-tailed answer length (``max_new_tokens``)."""
     import numpy as np
 
     s = cfg.data.synthetic
     banned = {s.target_token, *avoid}
     candidates = np.array([t for t in range(vocab_size) if t not in banned])
-    ids = np.random.default_rng(seed).choice(candidates, size=(count, s.prompt_len))
-    return [
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(candidates, size=(count, s.prompt_len))
+    examples = [
         {"prompt_ids": row.tolist(), "ground_truth": str(s.target_token), "id": f"synthetic-{seed}-{i}"}
         for i, row in enumerate(ids)
     ]
+    if s.answer_len_sigma > 0:
+        cap = cfg.rollout.max_new_tokens
+        lengths = np.clip(np.round(cap / 4 * np.exp(rng.normal(0.0, s.answer_len_sigma, count))), 1, cap)
+        for ex, n in zip(examples, lengths.astype(int).tolist(), strict=True):
+            ex["max_new_tokens"] = n
+    return examples
 
 
 def tiny_model_config(cfg, **overrides):

@@ -91,12 +91,18 @@ class ModelConfigSpec:
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticDataConfig:
-    """The tiny task: random prompts; the reward is the fraction of the response that is ``target_token``."""
+    """The tiny task: random prompts; the reward is the fraction of the response that is ``target_token``.
+
+    answer_len_sigma > 0 gives every prompt its own answer length (its response-length cap, log-normal with median
+    rollout.max_new_tokens / 4 and this sigma, clipped to [1, rollout.max_new_tokens]): a long-tailed length
+    distribution fixed by the task, so rollout slices finish at different times. 0: every answer is
+    rollout.max_new_tokens long."""
 
     num_prompts: int = 256
     prompt_len: int = 8
     target_token: int = 5
     seed: int = 0
+    answer_len_sigma: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +136,7 @@ class DataConfig:
         _require(s.num_prompts >= self.prompts_per_step, f"{key}.synthetic.num_prompts", "must be >= prompts_per_step")
         _require(s.prompt_len >= 1, f"{key}.synthetic.prompt_len", "must be >= 1")
         _require(s.target_token >= 0, f"{key}.synthetic.target_token", "must be a token id >= 0")
+        _require(s.answer_len_sigma >= 0, f"{key}.synthetic.answer_len_sigma", "must be >= 0 (0 = fixed lengths)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@ functions. Imports neither tlt_jax.rl nor tlt_jax.config (both depend on this pa
 
 from tlt_jax.rewards.math_answer import extract_answer, parse_number, score_gsm8k
 from tlt_jax.rewards.parallel import BatchScores, ParallelScorer, score_batch
-from tlt_jax.rewards.tasks import GSM8KReward, RewardFn, RewardOutput, TargetTokenReward
+from tlt_jax.rewards.tasks import GSM8KReward, RewardFn, RewardOutput, TargetTokenReward, example_max_new_tokens
 
 __all__ = [
     "BatchScores",
@@ -16,4 +16,5 @@ __all__ = [
     "parse_number",
     "score_batch",
     "score_gsm8k",
+    "example_max_new_tokens",
 ]

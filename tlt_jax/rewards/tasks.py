@@ -15,7 +15,7 @@ import numpy as np
 from tlt_jax.rewards.math_answer import score_gsm8k
 from tlt_jax.rewards.parallel import ParallelScorer
 
-__all__ = ["GSM8KReward", "RewardFn", "RewardOutput", "TargetTokenReward"]
+__all__ = ["GSM8KReward", "RewardFn", "RewardOutput", "TargetTokenReward", "example_max_new_tokens"]
 
 
 @dataclasses.dataclass
@@ -34,8 +34,10 @@ class RewardFn(Protocol):
 
 
 class TargetTokenReward:
-    """The tiny task: reward = fraction of the ``max_new_tokens`` positions that hold the example's target token
-    (``ground_truth``); stopping early scores the missing positions as 0. Correct = every position is the target."""
+    """The tiny task: reward = fraction of the answer's positions that hold the example's target token
+    (``ground_truth``); the answer is the example's ``max_new_tokens`` long when it has one (capped at
+    ``max_new_tokens``), else ``max_new_tokens``. Stopping early scores the missing positions as 0. Correct = every
+    position is the target."""
 
     def __init__(self, max_new_tokens: int):
         if max_new_tokens < 1:
@@ -45,8 +47,9 @@ class TargetTokenReward:
     def __call__(self, examples, completions) -> RewardOutput:
         scores = np.array(
             [
-                [sum(int(t) == int(ex["ground_truth"]) for t in c) / self.max_new_tokens for c in comps]
+                [sum(int(t) == int(ex["ground_truth"]) for t in c[:n]) / n for c in comps]
                 for ex, comps in zip(examples, completions, strict=True)
+                for n in [example_max_new_tokens(ex, self.max_new_tokens)]
             ],
             np.float32,
         )
@@ -54,6 +57,12 @@ class TargetTokenReward:
 
     def close(self) -> None:
         pass
+
+
+def example_max_new_tokens(example: dict, cap: int) -> int:
+    """An example's own response-length cap (its ``max_new_tokens`` key, e.g. the tiny task's answer length),
+    at most ``cap``; ``cap`` when it has none."""
+    return min(int(example.get("max_new_tokens", cap)), cap)
 
 
 class GSM8KReward:

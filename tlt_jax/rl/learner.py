@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from tlt_jax.config import Config
 from tlt_jax.distributed import LogicalRules
 from tlt_jax.distributed.multihost import to_host
-from tlt_jax.rewards import RewardFn
+from tlt_jax.rewards import RewardFn, example_max_new_tokens
 from tlt_jax.rl.advantages import compute_advantages
 from tlt_jax.rl.logprobs import make_logprob_fn
 from tlt_jax.rl.train_step import LossConfig, TrainState, init_train_state, lr_schedule, make_optimizer, make_train_step
@@ -60,6 +60,13 @@ def build_sequences(
         attn[r, :n] = 1
         resp[r, len(p) : n] = 1.0
     return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+
+
+def _max_new_tokens(examples: Sequence[dict], cap: int) -> int | list[int]:
+    """The rollout's length cap: ``cap``, or one per prompt when the examples carry their own (tiny task)."""
+    if not any("max_new_tokens" in ex for ex in examples):
+        return cap
+    return [example_max_new_tokens(ex, cap) for ex in examples]
 
 
 def _percentiles(lengths: np.ndarray) -> dict[str, float]:
@@ -144,7 +151,7 @@ class GRPOLearner:
             temperature=ro.temperature,
             top_k=ro.top_k,
             top_p=ro.top_p,
-            max_new_tokens=ro.max_new_tokens,
+            max_new_tokens=_max_new_tokens(examples, ro.max_new_tokens),
             n=n,
             seed=self.rollout_seed(step),
         )
@@ -248,7 +255,7 @@ class GRPOLearner:
             chunk = list(examples[lo : lo + batch_size])
             res = self.engine.generate(
                 [list(ex["prompt_ids"]) for ex in chunk],
-                SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, n=1, seed=0),
+                SamplingParams(temperature=0.0, max_new_tokens=_max_new_tokens(chunk, max_new_tokens), n=1, seed=0),
             )
             r = self.reward_fn(chunk, res.tokens)
             scores.append(r.scores[:, 0])
