@@ -1,7 +1,8 @@
 """Static vs adaptive EAGLE drafter while the policy drifts (TLT's adaptive drafter, issue 16).
 
-Runs the main job twice on configs/gsm8k.py (SmolLM2-135M-Instruct) from the committed warmed-up drafter
-(benchmarks/drafters/eagle_smollm2_gsm), with a policy learning rate high enough that the policy drifts away from
+Runs the main job twice on configs/gsm8k.py (SmolLM2-135M-Instruct) from the committed warmed-up drafter (shipped
+in the package: rollout.drafter_path="eagle-smollm2-gsm"), with a policy learning rate high enough that the policy
+drifts away from
 what the drafter was warmed up on: once with the drafter fixed (``drafter.online=False``) and once training it online
 (``drafter.online=True``, ``rollout.num_slices`` slices). Speculative decoding is lossless, so both runs sample the
 same tokens (checked: identical rewards per step) and the accept lengths compare on the same rollouts. Writes
@@ -27,7 +28,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from e2e_step import load_config  # noqa: E402
 
-DRAFTER = REPO / "benchmarks" / "drafters" / "eagle_smollm2_gsm"
+from tlt_jax.assets import EMBEDDED_DRAFTER, resolve_drafter_path  # noqa: E402
+
+DRAFTER = resolve_drafter_path(EMBEDDED_DRAFTER)
 RESULTS = REPO / "benchmarks" / "results" / "drafter_adaptation.json"
 
 

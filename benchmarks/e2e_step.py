@@ -2,14 +2,19 @@
 
 Runs the main job (``tlt_jax.main.run``) on each config for a few steps in a scratch workdir and reads back the
 per-step metrics it records. Step 1 includes XLA compiles (persistent compilation cache on, so a second invocation is
-closer to steady state); steps >= 2 are reported as steady state. Each config runs with speculative decoding off and
-on (``rollout.speculative=ngram``: the model-free n-gram drafter, tree decoding once a wave has <= 32 live rows; an
-EAGLE drafter is ``rollout.speculative=eagle`` with ``rollout.drafter_path``); the mean accept length is then in each
-step's row.
+closer to steady state); steps >= 2 are reported as steady state. Modes (``--modes``) change only how the rollout is
+decoded, so every mode samples the same tokens: the script asserts identical rewards per step across modes.
 
-    python benchmarks/e2e_step.py                              # tiny (20 steps) and gsm8k (2 steps), SD off and on
-    python benchmarks/e2e_step.py --configs tiny --steps 10 --modes off
-    python benchmarks/e2e_step.py --configs gsm8k --modes off,adaptive   # the bandit over --spec_arms
+- ``off``: plain decoding, no drafter.
+- ``ngram``: the model-free n-gram drafter, one tree shape (``rollout.spec_*``).
+- ``static``: TLT's baseline, a fixed EAGLE drafter (``--drafter``, default the shipped warmed-up one) with one
+  tree shape (``--static_tree``), tree decoding once a wave has <= ``rollout.spec_threshold`` live rows.
+- ``adaptive``: the bandit over ``--spec_arms`` with the drafter frozen.
+- ``tlt``: the adaptive engine and the drafter trained online on the policy's rollouts (``drafter.online``).
+- ``config``: the config file as it is (configs/gsm8k.py is ``tlt``).
+
+    python benchmarks/e2e_step.py --configs gsm8k --modes off,static,tlt --steps 6   # the default run's table
+    python benchmarks/e2e_step.py --configs tiny --steps 10 --modes off,ngram
 """
 
 from __future__ import annotations
@@ -75,22 +80,39 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
-ADAPTIVE_ARMS = "off,ngram:4x1x5"  # mode "adaptive": the bandit's arms (--spec_arms)
+ADAPTIVE_ARMS = "off,eagle:3x1x4,eagle:5x1x6"  # modes "adaptive" / "tlt": the bandit's arms (--spec_arms)
+SHIPPED = "eagle-smollm2-gsm"
 
 
-def bench(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS) -> dict:
+def mode_overrides(mode: str, arms: str, drafter: str, static_tree: str) -> dict:
+    """Config overrides of one decoding mode (see the module docstring)."""
+    if mode == "config":
+        return {}
+    online = {"drafter.online": mode == "tlt"}
+    if mode in ("off", "ngram"):
+        return {"rollout.speculative": mode, "rollout.spec_arms": "", **online}
+    if mode == "static":
+        depth, topk, n = (int(x) for x in static_tree.split("x"))
+        return {"rollout.speculative": "eagle", "rollout.spec_arms": "", "rollout.drafter_path": drafter,
+                "rollout.spec_depth": depth, "rollout.spec_topk": topk, "rollout.spec_verify_tokens": n, **online}
+    if mode in ("adaptive", "tlt"):
+        return {"rollout.speculative": "adaptive", "rollout.spec_arms": arms, "rollout.drafter_path": drafter, **online}
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def bench(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, drafter: str = SHIPPED,
+          static_tree: str = "5x1x6", extra: dict | None = None) -> dict:
     from tlt_jax.main import run
     from tlt_jax.metrics import read_metrics
 
     overrides = {
         **OVERRIDES.get(name, {}),
-        "rollout.speculative": mode,
+        **mode_overrides(mode, arms, drafter, static_tree),
         "train.num_steps": steps,
         "metrics.progress_bars": False,
         "eval.at_start": False,
+        **(extra or {}),
     }
-    if mode == "adaptive":
-        overrides["rollout.spec_arms"] = arms
     cfg = load_config(name, overrides)
     with tempfile.TemporaryDirectory() as workdir:
         t0 = time.perf_counter()
@@ -110,18 +132,25 @@ def bench(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS) -> dict:
         accept_length_per_step=[r.get("rollout/accept_length") for r in rows],
         reward_per_step=[r.get("reward/mean") for r in rows],
         per_step=[
-            {k: r.get(k) for k in (*PHASES, "rollout/tail_share", "rollout/compile_s", "rollout/tokens")} for r in rows
+            {k: r.get(k) for k in (*PHASES, *STEP_EXTRAS)} for r in rows
         ],
     )
     return res
+
+
+STEP_EXTRAS = ("rollout/tail_share", "rollout/compile_s", "rollout/tokens", "rollout/accept_length", "drafter/steps",
+               "drafter/top1", "controller/train_s", "reward/mean", "reward/accuracy", "response/len_max")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="tiny,gsm8k")
     ap.add_argument("--steps", type=int, default=0, help="steps per config (0: tiny 20, gsm8k 2)")
-    ap.add_argument("--modes", default="off,ngram", help="speculative decoding modes to run")
-    ap.add_argument("--spec_arms", default=ADAPTIVE_ARMS, help="arms of mode 'adaptive' (off,ngram:DxKxN,...)")
+    ap.add_argument("--modes", default="off,ngram", help="decoding modes: off,ngram,static,adaptive,tlt,config")
+    ap.add_argument("--spec_arms", default=ADAPTIVE_ARMS, help="arms of modes adaptive / tlt (off,eagle:DxKxN,...)")
+    ap.add_argument("--drafter", default=SHIPPED, help="EAGLE drafter of static / adaptive / tlt (name or dir)")
+    ap.add_argument("--static_tree", default="5x1x6", help="tree of mode static (depth x topk x verify tokens)")
+    ap.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
 
@@ -140,9 +169,18 @@ def main():
         },
         "configs": {},
     }
+    extra = {}
+    for kv in args.set:
+        key, value = kv.split("=", 1)
+        try:
+            extra[key] = json.loads(value)  # numbers, true / false
+        except json.JSONDecodeError:
+            extra[key] = value
+    results["extra_overrides"] = extra
     for name in args.configs.split(","):
         for mode in args.modes.split(","):
-            res = bench(name, args.steps or DEFAULT_STEPS.get(name, 2), mode, args.spec_arms)
+            res = bench(name, args.steps or DEFAULT_STEPS.get(name, 2), mode, args.spec_arms, args.drafter,
+                        args.static_tree, extra)
             results["configs"].setdefault(name, {})[mode] = res
             s = res["steady_median"]
             print(
@@ -152,6 +190,20 @@ def main():
                 f"{res['rollout_tokens_per_s']:.1f} rollout tok/s; accept lengths {res['accept_length_per_step']}",
                 flush=True,
             )
+        modes = results["configs"][name]
+        rewards = {m: r["reward_per_step"] for m, r in modes.items()}
+        same = all(v == next(iter(rewards.values())) for v in rewards.values())
+        results["configs"][name]["_rewards_identical_across_modes"] = same
+        if "off" in modes:
+            base = modes["off"]["steady_median"]["time/step_s"]
+            for r in modes.values():
+                if isinstance(r, dict) and "steady_median" in r:
+                    r["steady_step_speedup_vs_off"] = base / r["steady_median"]["time/step_s"]
+                    r["steady_rollout_speedup_vs_off"] = (
+                        modes["off"]["steady_median"]["time/rollout_s"] / r["steady_median"]["time/rollout_s"])
+        print(f"{name}: rewards identical across modes: {same}", flush=True)
+        if not same:
+            raise AssertionError(f"{name}: the modes sampled different rewards per step: {rewards}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -20,6 +20,7 @@ import numpy as np
 import pod_sim as ps
 import rollout_tail as rt
 
+from tlt_jax.assets import EMBEDDED_DRAFTER, resolve_drafter_path
 from tlt_jax.rollout import RolloutEngine, SamplingParams, StepKey
 
 
@@ -32,7 +33,7 @@ class _KeysOnly:
     decode = verify = compact = prefill
 
 
-DRAFTER = Path(__file__).parent / "drafters" / "eagle_smollm2_gsm"  # the committed warmed-up drafter
+DRAFTER = Path(resolve_drafter_path(EMBEDDED_DRAFTER))  # the committed warmed-up drafter (package data)
 CPU = {"on": False}  # measure process CPU seconds (all threads) instead of wall seconds: robust to other users' load
 
 

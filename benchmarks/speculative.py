@@ -12,7 +12,7 @@ after the other. At most --tokens new tokens per row (shrinking with the batch t
 Every arm is the same RolloutEngine (chunk of K=8 plain steps, or ``steps_per_call`` verify steps, per host round
 trip; compaction; cache-length buckets); the speculative engines have ``threshold`` >= every batch, so every step is a
 tree step. For every (batch, temperature) and prompt group: plain decoding, each drafter (n-gram; the EAGLE drafter in
---drafter, a ``tlt_jax.drafter.warmup`` output, by default the committed SmolLM2 one in benchmarks/drafters/) with each
+--drafter, a ``tlt_jax.drafter.warmup`` output, by default the committed SmolLM2 one in tlt_jax/assets) with each
 tree config ``depth x topk x N`` of that batch (--configs_b1, --configs_small for batch 2-4, --configs_large above),
 then plain again: interleaved, so a drift in the shared machine's load hits every arm alike (plain's time is the mean
 of its two passes). Every speculative run is checked token for token against the plain run with the same seed
@@ -34,15 +34,16 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from tlt_jax.assets import EMBEDDED_DRAFTER, resolve_drafter_path
 from tlt_jax.drafter.export import load_drafter
 from tlt_jax.drafter.warmup import load_policy_and_prompts
 from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
 
 _F = flags.FLAGS
-DEFAULT_DRAFTER = pathlib.Path(__file__).parent / "drafters" / "eagle_smollm2_gsm"
+DEFAULT_DRAFTER = pathlib.Path(resolve_drafter_path(EMBEDDED_DRAFTER))
 flags.DEFINE_string("model", None, "policy (default: embedded SmolLM2; 'tiny' = random tiny model)")
 flags.DEFINE_string("drafter", None, "trained drafter directory (save_drafter format); default with the embedded "
-                    "SmolLM2: the committed warmed-up drafter, benchmarks/drafters/eagle_smollm2_gsm")
+                    "SmolLM2: the committed warmed-up drafter shipped in tlt_jax/assets (eagle-smollm2-gsm)")
 flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32"], "starting active batch sizes")
 flags.DEFINE_list("tokens", ["192", "128", "96", "64", "48", "32"], "new tokens per row, per batch entry")
 flags.DEFINE_list("temperatures", ["0", "0.9"], "sampling temperatures")

@@ -108,7 +108,7 @@ def test_int_is_accepted_for_float():
         (("model", "source"), "path", "config.model.path: give a path exactly when source='path'"),
         (("checkpoint", "max_to_keep"), 1, "keep >= 2"),
         (("rollout", "speculative"), "medusa", r"config.rollout.speculative: must be one of \(.*'eagle', 'adaptive'\)"),
-        (("rollout", "speculative"), "eagle", r"config.rollout.drafter_path: speculative='eagle' needs a drafter dir"),
+        (("rollout", "speculative"), "eagle", r"rollout.drafter_path: speculative='eagle' needs a drafter: a shipped"),
         (("rollout", "spec_depth"), 0, r"config.rollout.spec_depth: must be >= 1"),
         (("rollout", "spec_topk"), 0, r"config.rollout.spec_topk: must be >= 1"),
         (("rollout", "spec_verify_tokens"), 1, r"config.rollout.spec_verify_tokens: must be in \[2, 117\]"),
@@ -130,7 +130,7 @@ def test_invalid_values(path, value, expect):
 def test_eagle_drafter_path_must_be_a_directory(tmp_path):
     d = to_config_dict().to_dict()
     d["rollout"].update(speculative="eagle", drafter_path=str(tmp_path / "nope"))
-    with pytest.raises(ConfigError, match=r"config.rollout.drafter_path: '.*nope' is not a directory.*warmup"):
+    with pytest.raises(ConfigError, match=r"drafter_path: '.*nope' is neither a directory nor a shipped.*warmup"):
         from_config_dict(d)
     d["rollout"].update(drafter_path=str(tmp_path), spec_depth=3, spec_topk=2, spec_verify_tokens=12)
     with pytest.raises(ConfigError, match=r"config.rollout.spec_verify_tokens: must be in \[2, 11\]"):
@@ -197,7 +197,7 @@ def test_adaptive_rollout_keys(tmp_path):
     with pytest.raises(ConfigError, match=r"config.rollout.spec_arms: arm 'ngram:3x2x12': .*must be in \[2, 11\]"):
         from_config_dict(d)
     d["rollout"].update(spec_arms="off,eagle:3x2x6")
-    with pytest.raises(ConfigError, match=r"config.rollout.drafter_path: .*needs a drafter directory"):
+    with pytest.raises(ConfigError, match=r"config.rollout.drafter_path: an 'eagle:' arm needs a drafter"):
         from_config_dict(d)
     d["rollout"].update(drafter_path=str(tmp_path))
     for key, value, match in [

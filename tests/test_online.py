@@ -91,7 +91,7 @@ def test_online_config_errors(tmp_path):
     """Keys that cannot work name themselves and the fix, before any compile."""
     with pytest.raises(ConfigError, match=r"config.drafter.online: .*rollout.speculative='off'.*speculative=eagle"):
         _cfg("tiny.py", "--config.drafter.online=True")
-    with pytest.raises(ConfigError, match=r"config.rollout.drafter_path: .*needs a drafter dir.*drafter.online=True"):
+    with pytest.raises(ConfigError, match=r"config.rollout.drafter_path: .*needs a drafter: .*drafter.online=True"):
         _cfg("tiny.py", "--config.rollout.speculative=eagle")
     with pytest.raises(ConfigError, match=r"config.rollout.num_slices: must be >= 1"):
         _cfg("tiny.py", "--config.rollout.num_slices=0")

@@ -81,7 +81,15 @@ def build_model(cfg, mesh):
 def build_data(cfg, tokenizer, model_config) -> Data:
     """Training and held-out evaluation examples, each with ``prompt_ids`` and ``ground_truth``."""
     from tlt_jax.config import ConfigError
-    from tlt_jax.data import PromptFormatter, filter_by_prompt_length, gsm_symbolic_splits, load_gsm8k_file
+    from tlt_jax.data import (
+        ANSWER_IS_INSTRUCTION,
+        DEFAULT_INSTRUCTION,
+        GENERATED_TASKS,
+        PromptFormatter,
+        filter_by_prompt_length,
+        generated_splits,
+        load_gsm8k_file,
+    )
 
     d = cfg.data
     info: dict[str, float] = {}
@@ -94,9 +102,10 @@ def build_data(cfg, tokenizer, model_config) -> Data:
         evals = synthetic_examples(cfg, model_config.vocab_size, avoid, d.eval_size, d.synthetic.seed + 1_000_003)
         return Data(train, evals, info)
     template = tokenizer.apply_chat_template if d.chat_template else None
-    formatter = PromptFormatter(chat_template=template)
-    if d.source == "gsm_symbolic":
-        splits = gsm_symbolic_splits(d.train_size, d.eval_size, d.train_seed, d.eval_seed, formatter)
+    instruction = ANSWER_IS_INSTRUCTION if d.source == "arithmetic" else DEFAULT_INSTRUCTION
+    formatter = PromptFormatter(chat_template=template, instruction=instruction)
+    if d.source in GENERATED_TASKS:
+        splits = generated_splits(d.source, d.train_size, d.eval_size, d.train_seed, d.eval_seed, formatter)
         train, evals = splits.train, splits.eval
     else:
         f = load_gsm8k_file(d.train_path, formatter)
@@ -133,7 +142,7 @@ def build_reward(cfg, tokenizer):
 
     if cfg.data.source == "synthetic":
         return TargetTokenReward(cfg.rollout.max_new_tokens)
-    return GSM8KReward(tokenizer, cfg.reward.num_workers, cfg.reward.timeout_s)
+    return GSM8KReward(tokenizer, cfg.reward.num_workers, cfg.reward.timeout_s, cfg.reward.format_weight)
 
 
 def eval_max_new_tokens(cfg) -> int:
@@ -147,10 +156,11 @@ def load_eagle_drafter(cfg, model_config):
 
     import jax.numpy as jnp
 
+    from tlt_jax.assets import resolve_drafter_path
     from tlt_jax.config import ConfigError
     from tlt_jax.drafter.export import CONFIG_FILE, load_drafter
 
-    path = cfg.rollout.drafter_path
+    path = resolve_drafter_path(cfg.rollout.drafter_path)
     model_flag = {"path": f" --model={cfg.model.path}", "smollm2": ""}.get(cfg.model.source, " --model=POLICY")
     how = f"write a drafter for this policy with `python -m tlt_jax.drafter.warmup{model_flag} --out={path}`"
     if not (pathlib.Path(path) / CONFIG_FILE).is_file():
@@ -228,8 +238,8 @@ def fresh_eagle_drafter(cfg, model_config):
 
 def adaptive_spec(cfg, model_config) -> dict:
     """Engine arguments of ``rollout.speculative="adaptive"``: the bandit over ``rollout.spec_arms``, with the EAGLE
-    drafter of ``rollout.drafter_path`` when an arm needs it. Seeded by train.seed, so every process (and a rerun)
-    takes the same decisions from the same measurements."""
+    drafter of ``rollout.drafter_path`` (or a fresh one that trains online) when an arm needs it. Seeded by
+    train.seed, so every process (and a rerun) takes the same decisions from the same measurements."""
     from tlt_jax.adaptive import parse_arms
     from tlt_jax.rollout import SpecConfig
 
@@ -243,17 +253,19 @@ def adaptive_spec(cfg, model_config) -> dict:
         threshold=r.spec_threshold,
         seed=cfg.train.seed,
     )
-    eagle = any(a.kind == "eagle" for a in arms)
-    return dict(drafter=load_eagle_drafter(cfg, model_config) if eagle else None, spec=spec)
+    drafter = None
+    if any(a.kind == "eagle" for a in arms):  # an empty drafter_path (drafter.online, config-checked): a fresh one
+        drafter = load_eagle_drafter(cfg, model_config) if r.drafter_path else fresh_eagle_drafter(cfg, model_config)
+    return dict(drafter=drafter, spec=spec)
 
 
 def restore_engine_state(engine, controller: dict) -> None:
     """Adaptive rollouts resume with the checkpoint's bandit (its measurements and exploration generator); a bandit
-    over other arms is a ConfigError (the arms must match to resume)."""
+    over other arms (or other slices) is a ConfigError (they must match to resume)."""
     from tlt_jax.config import ConfigError
 
     saved = controller.get("engine") or {}
-    if getattr(engine, "bandit", None) is None or not saved.get("bandit"):
+    if getattr(engine, "bandit", None) is None or not saved:
         if getattr(engine, "bandit", None) is not None:
             log.info("the checkpoint holds no bandit state: the adaptive rollout starts its bandit afresh")
         return

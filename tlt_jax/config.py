@@ -16,6 +16,7 @@ import os
 import ml_collections
 
 from tlt_jax.adaptive.arms import parse_arms
+from tlt_jax.assets import EMBEDDED_DRAFTERS, resolve_drafter_path
 from tlt_jax.distributed.mesh import MeshConfig
 from tlt_jax.typed_config import ConfigError, as_plain, build
 from tlt_jax.typed_config import require as _require
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 MODEL_SOURCES = ("tiny", "smollm2", "path")
-DATA_SOURCES = ("synthetic", "gsm_symbolic", "gsm8k_file")
+DATA_SOURCES = ("synthetic", "gsm_symbolic", "arithmetic", "gsm8k_file")
 SCHEDULES = ("constant", "cosine", "linear")
 DTYPES = ("float32", "bfloat16")
 SPECULATIVE = ("off", "ngram", "eagle", "adaptive")
@@ -107,15 +108,16 @@ class SyntheticDataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Training / evaluation prompts. source: 'synthetic' (tiny task), 'gsm_symbolic' (reasoning-gym generated,
-    disjoint train/eval seeds) or 'gsm8k_file' (GSM8K .jsonl/.parquet at ``train_path`` / ``eval_path``)."""
+    """Training / evaluation prompts. source: 'synthetic' (tiny task), 'gsm_symbolic' (reasoning-gym GSM-style word
+    problems) or 'arithmetic' (reasoning-gym a + b, 1-2 digits, answered "The answer is N."), both generated with
+    disjoint train/eval seeds, or 'gsm8k_file' (GSM8K .jsonl/.parquet at ``train_path`` / ``eval_path``)."""
 
     source: str = "synthetic"
     prompts_per_step: int = 8
     train_path: str = ""
     eval_path: str = ""
-    train_size: int = 2000  # gsm_symbolic
-    eval_size: int = 32  # gsm_symbolic; the first eval_size rows of eval_path for gsm8k_file
+    train_size: int = 2000  # generated sources (gsm_symbolic, arithmetic)
+    eval_size: int = 32  # generated sources; the first eval_size rows of eval_path for gsm8k_file
     train_seed: int = 0
     eval_seed: int = 1_000_000
     shuffle_seed: int = 0
@@ -130,7 +132,7 @@ class DataConfig:
         _require(self.eval_size >= 1, f"{key}.eval_size", "must be >= 1")
         if self.source == "gsm8k_file":
             _require(bool(self.train_path), f"{key}.train_path", "source='gsm8k_file' needs a .jsonl/.parquet file")
-        if self.source == "gsm_symbolic":
+        if self.source in ("gsm_symbolic", "arithmetic"):
             _require(self.train_size >= self.prompts_per_step, f"{key}.train_size", "must be >= prompts_per_step")
         s = self.synthetic
         _require(s.num_prompts >= self.prompts_per_step, f"{key}.synthetic.num_prompts", "must be >= prompts_per_step")
@@ -156,7 +158,9 @@ class RolloutConfig:
     # `python -m tlt_jax.drafter.warmup --out=DIR`; fixed during RL unless drafter.online). Rollout samples are
     # identical either way; only their speed changes.
     speculative: str = "off"
-    drafter_path: str = ""  # speculative="eagle": the drafter directory (save_drafter format); ignored otherwise
+    # EAGLE drafting: a drafter directory (save_drafter format) or a shipped drafter's name ("eagle-smollm2-gsm", the
+    # warmed-up drafter of the embedded SmolLM2); empty with drafter.online = a fresh drafter. Ignored otherwise.
+    drafter_path: str = ""
     spec_threshold: int = 32  # decode speculatively once a wave has at most this many live rows
     # Draft tree shape (TLT defaults), ngram and eagle: depth (most draft tokens accepted per verify), topk (children
     # per expanded node) and verify_tokens (tree size incl. the root, <= 1 + topk + (depth - 1) * topk^2).
@@ -186,21 +190,13 @@ class RolloutConfig:
             f"{key}.speculative",
             f"must be one of {SPECULATIVE}, got {self.speculative!r}",
         )
-        if self.speculative == "adaptive" and "eagle:" in self.spec_arms.lower():
+        if self.needs_eagle and self.drafter_path:  # an empty path: see Config.validate (drafter.online)
             _require(
-                bool(self.drafter_path),
+                os.path.isdir(resolve_drafter_path(self.drafter_path)),
                 f"{key}.drafter_path",
-                "an 'eagle:' arm needs a drafter directory; write one with "
-                "`python -m tlt_jax.drafter.warmup --model=POLICY --out=DIR`, then set "
-                f"--config.{key}.drafter_path=DIR (or use only 'off' and 'ngram:' arms, which need none)",
-            )
-        needs_eagle = self.speculative == "eagle" or "eagle:" in self.spec_arms.lower()
-        if needs_eagle and self.drafter_path:  # eagle with an empty path: see Config.validate (drafter.online)
-            _require(
-                os.path.isdir(self.drafter_path),
-                f"{key}.drafter_path",
-                f"{self.drafter_path!r} is not a directory; write a drafter there with "
-                f"`python -m tlt_jax.drafter.warmup --model=POLICY --out={self.drafter_path}`",
+                f"{self.drafter_path!r} is neither a directory nor a shipped drafter ({sorted(EMBEDDED_DRAFTERS)}); "
+                "write a drafter there with `python -m tlt_jax.drafter.warmup --model=POLICY "
+                f"--out={self.drafter_path}`",
             )
         _require(self.spec_threshold >= 1, f"{key}.spec_threshold", "must be >= 1")
         _require(self.spec_depth >= 1, f"{key}.spec_depth", f"must be >= 1, got {self.spec_depth}")
@@ -225,6 +221,11 @@ class RolloutConfig:
         _require(self.top_p == 1.0, f"{key}.top_p", f"must be 1.0 (off) for RL rollouts, got {self.top_p}: {why}")
         _require(self.max_new_tokens >= 1, f"{key}.max_new_tokens", "must be >= 1")
 
+
+    @property
+    def needs_eagle(self) -> bool:
+        """Whether the rollout drafts with an EAGLE drafter (speculative='eagle', or an 'eagle:' adaptive arm)."""
+        return self.speculative == "eagle" or (self.speculative == "adaptive" and "eagle:" in self.spec_arms.lower())
 
     def _validate_adaptive(self, key: str) -> None:
         adaptive = self.speculative == "adaptive"
@@ -327,14 +328,18 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    """Rule-based GSM8K scoring in worker processes (synthetic data scores in-process)."""
+    """Rule-based GSM8K scoring in worker processes (synthetic data scores in-process). format_weight: reward =
+    correct + format_weight * (the response states its final answer, e.g. "The answer is 42."); accuracy stays
+    exact match alone."""
 
     num_workers: int = 2
     timeout_s: float = 5.0
+    format_weight: float = 0.0
 
     def validate(self, key: str) -> None:
         _require(self.num_workers >= 1, f"{key}.num_workers", "must be >= 1")
         _require(self.timeout_s > 0, f"{key}.timeout_s", "must be > 0")
+        _require(self.format_weight >= 0, f"{key}.format_weight", "must be >= 0 (0 = correctness alone)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,23 +446,27 @@ class Config:
         )
 
     def _validate_drafter(self) -> None:
-        """The EAGLE drafter's source: a directory, or (online training only) a fresh one."""
+        """The EAGLE drafter's source: a directory or a shipped drafter's name, or (online training only) a fresh
+        one."""
         r = self.rollout
-        if r.speculative == "eagle" and not r.drafter_path:
+        if r.needs_eagle and not r.drafter_path:
+            what = "speculative='eagle'" if r.speculative == "eagle" else "an 'eagle:' arm"
             _require(
                 self.drafter.online,
                 "rollout.drafter_path",
-                "speculative='eagle' needs a drafter directory; write one with "
-                "`python -m tlt_jax.drafter.warmup --model=POLICY --out=DIR`, then set "
-                "--config.rollout.drafter_path=DIR (or set --config.drafter.online=True to start from a fresh drafter "
-                "that trains during RL, or use speculative='ngram', which needs none)",
+                f"{what} needs a drafter: a shipped one ({sorted(EMBEDDED_DRAFTERS)}, for the embedded SmolLM2) or a "
+                "directory written by `python -m tlt_jax.drafter.warmup --model=POLICY --out=DIR`; set "
+                "--config.rollout.drafter_path=NAME_OR_DIR (or set --config.drafter.online=True to start from a fresh "
+                "drafter that trains during RL, or use 'ngram', which needs none)",
             )
         if self.drafter.online:
             _require(
-                r.speculative == "eagle",
+                r.needs_eagle,
                 "drafter.online",
-                f"trains the rollout's EAGLE drafter, but rollout.speculative={r.speculative!r}; set "
-                "--config.rollout.speculative=eagle (drafter_path empty = a fresh drafter) or drafter.online=False",
+                f"trains the rollout's EAGLE drafter, but rollout.speculative={r.speculative!r}"
+                + (f" with spec_arms={r.spec_arms!r}" if r.speculative == "adaptive" else "")
+                + " drafts with none; set --config.rollout.speculative=eagle (drafter_path empty = a fresh drafter) or "
+                "an adaptive 'eagle:' arm, or drafter.online=False",
             )
 
     @property

@@ -174,8 +174,10 @@ def run(cfg, workdir: str) -> dict[str, float]:
     if primary:
         drop_steps_after(workdir, start)  # lengths / timeline rows of steps redone after a resume
     drafter_cols = (("drafter", "drafter/steps", "{:>7.0f}"), ("draft s", "controller/train_s", "{:>7.2f}"))
+    format_col = (("format", "reward/format", "{:>6.3f}"),) if cfg.reward.format_weight > 0 else ()
+    columns = COLUMNS[:3] + format_col + COLUMNS[3:] + (drafter_cols if cfg.drafter.online else ())
     table = ConsoleTable(
-        speculative=cfg.rollout.speculative != "off", columns=COLUMNS + (drafter_cols if cfg.drafter.online else ())
+        speculative=cfg.rollout.speculative != "off", columns=columns, adaptive=cfg.rollout.speculative == "adaptive"
     )
     progress = Progress(cfg.train.num_steps, start, enabled=cfg.metrics.progress_bars and primary)
     if not primary:

@@ -48,6 +48,29 @@ class ControlledRollout:
     def set_params(self, model) -> None:
         self.rollout.set_params(model)
 
+    @property
+    def bandit(self):
+        """The first slice's adaptive bandit (None when the rollout is not adaptive); every slice has its own."""
+        return self.rollout.engines[0].bandit
+
+    def state_dict(self) -> dict:
+        """Every slice engine's host state (adaptive: its bandit), for the checkpoint."""
+        if self.bandit is None:
+            return {}
+        return {"slices": [e.state_dict() for e in self.rollout.engines]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` output: one engine state per slice, in slice order."""
+        saved = state.get("slices")
+        if saved is None:
+            raise ValueError("the saved engine state is not a sliced rollout's; it was saved with another "
+                             "rollout.num_slices or without online drafter training")
+        if len(saved) != len(self.rollout.engines):
+            raise ValueError(f"the checkpoint holds {len(saved)} slice engines' state, this run has "
+                             f"{len(self.rollout.engines)} (rollout.num_slices must match to resume the bandits)")
+        for e, st in zip(self.rollout.engines, saved, strict=True):
+            e.load_state_dict(st)
+
     def begin(self, step: int) -> None:
         """The next generate call is RL step ``step``'s rollout (controller-driven, drafter training)."""
         self._step, self.metrics = int(step), {}
@@ -84,7 +107,8 @@ class ControlledRollout:
             return float("nan")
         if self._eval is None:
             graphdef = self.trainer.graphdef
-            self._eval = jax.jit(lambda p, policy, b: drafter_loss(nnx.merge(graphdef, p), policy, b)[1].top1)
+            loss_cfg = self.trainer.loss_cfg
+            self._eval = jax.jit(lambda p, policy, b: drafter_loss(nnx.merge(graphdef, p), policy, b, loss_cfg)[1].top1)
         batch = pack_sequences(fresh, cfg.row_len, cfg.rows)
         return float(self._eval(params, self.rollout.policy(0), batch))
 

@@ -170,4 +170,19 @@ def merge_results(num_prompts: int, jobs: Sequence[SliceJob], results: Sequence[
     stats["tail_share"] = stats["tail_seconds"] / stats["decode_seconds"] if stats["decode_seconds"] > 0 else 0.0
     stats["slices"] = [dict(r.stats, slice=j.slice, prompts=len(j.indices)) for j, r in zip(jobs, results,
                                                                                            strict=True)]
+    if any(r.stats.get("bandit") is not None for r in results):  # adaptive: arm steps and speeds over all slices
+        stats["bandit"] = [r.stats["bandit"] for r in results]
+        arm_steps: dict[int, dict[str, int]] = {}
+        per_arm: dict[str, list[float]] = {}
+        for r in results:
+            for bucket, per in r.stats["arm_steps"].items():
+                d = arm_steps.setdefault(bucket, {})
+                for arm, n in per.items():
+                    d[arm] = d.get(arm, 0) + n
+            for c in r.stats["chunks"]:
+                t = per_arm.setdefault(c["choice"], [0, 0.0])
+                t[0] += c["tokens"]
+                t[1] += c["seconds"]
+        stats["arm_steps"] = dict(sorted(arm_steps.items()))
+        stats["arm_tokens_per_s"] = {a: t / s for a, (t, s) in sorted(per_arm.items()) if s > 0}
     return RolloutResult(tokens, logprobs, reasons, stats, hidden, hidden_start)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-__all__ = ["DEFAULT_INSTRUCTION", "PromptFormatter", "filter_by_prompt_length"]
+__all__ = ["ANSWER_IS_INSTRUCTION", "DEFAULT_INSTRUCTION", "PromptFormatter", "filter_by_prompt_length"]
 
 DEFAULT_INSTRUCTION = (
     "Solve the math problem step by step. "
     "At the end, write the final answer as a single number on its own line after '####', e.g. '#### 42'."
 )
+
+# The arithmetic source's instruction: a plain closing sentence that a 135M model already writes ~40 % of the time
+# (a format it can learn to give every time; see the format reward in tlt_jax.rewards).
+ANSWER_IS_INSTRUCTION = "Solve the problem. End your reply with the sentence 'The answer is N.' where N is a number."
 
 ChatTemplate = Callable[[list[dict]], str]
 

@@ -12,6 +12,7 @@ make_drafter_train_step) are all imported in one block.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,7 +40,8 @@ from tlt_jax.drafter.train import (
 class SpotTrainer:
     """Drafter replicas on mesh slices.
 
-    drafter: the starting EagleDrafter (its draft vocabulary, if any, is kept and re-attached on export).
+    drafter: the starting EagleDrafter (its draft vocabulary, if any, is kept and re-attached on export; the token
+    loss is then taken over that vocabulary, as in the warm-up).
     meshes: one sub-mesh per slice. policy_for(s): the policy on slice s's mesh (read at every step, so policy
     updates published to the slices are picked up; the policy only supplies the frozen embedding and LM head).
     """
@@ -51,6 +53,9 @@ class SpotTrainer:
             raise ValueError("SpotTrainer needs at least one mesh slice")
         self.meshes, self.policy_for, self.seed = list(meshes), policy_for, int(seed)
         self._vocab = drafter.vocab_ids()
+        if loss.vocab is None and self._vocab is not None:  # the warm-up's objective: the token loss over the
+            loss = dataclasses.replace(loss, vocab=tuple(int(t) for t in np.asarray(self._vocab)))  # draft vocab
+        self.loss_cfg = loss
         self.optimizer = make_drafter_optimizer(optim)
         self.graphdef, host = init_drafter_train_state(drafter, self.optimizer)
         self.current: DrafterTrainState = jax.device_get(host)

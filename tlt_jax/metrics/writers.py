@@ -9,6 +9,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,23 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 ACCEPT_COLUMN = ("accept", "rollout/accept_length", "{:>6.2f}")
 
 
+def speculative_arm(metrics: Mapping[str, float]) -> str | None:
+    """The speculative arm an adaptive rollout ran most (by decode / verify steps) with its share of the step's
+    steps, e.g. "eagle:3x1x4 35%"; "off" when it never speculated; None when the rollout is not adaptive."""
+    prefix = "rollout/arm_share/"
+    shares = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
+    if not shares:
+        return None
+    spec = {a: v for a, v in shares.items() if a != "off" and v > 0}
+    if not spec:
+        return "off"
+    arm = max(sorted(spec), key=spec.get)
+    return f"{arm} {100 * spec[arm]:.0f}%"
+
+
+ARM_COLUMN = ("arm (share)", speculative_arm, "{:>17s}")
+
+
 def _width(fmt: str) -> int:
     m = re.search(r">(\d+)", fmt)
     return int(m.group(1)) if m else 0
@@ -48,10 +66,12 @@ def _fmt(fmt: str, value) -> str:
 
 
 class ConsoleTable:
-    """Fixed-width table: a header line, then one row per step. ``speculative`` adds the accept-length column."""
+    """Fixed-width table: a header line, then one row per step. ``speculative`` adds the accept-length column,
+    ``adaptive`` the arm the bandit ran most. A column's key is a metric name or a function of the metrics."""
 
-    def __init__(self, speculative: bool = False, out=None, columns: Sequence[tuple[str, str, str]] = COLUMNS):
-        self.columns = list(columns) + ([ACCEPT_COLUMN] if speculative else [])
+    def __init__(self, speculative: bool = False, out=None, columns: Sequence[tuple[str, Any, str]] = COLUMNS,
+                 adaptive: bool = False):
+        self.columns = list(columns) + ([ACCEPT_COLUMN] if speculative else []) + ([ARM_COLUMN] if adaptive else [])
         self.out = out
         self._header_done = False
 
@@ -63,7 +83,8 @@ class ConsoleTable:
 
     def row(self, metrics: Mapping[str, float]) -> str:
         return " ".join(
-            _fmt(f, metrics.get(k)).rjust(w) for (_, k, f), w in zip(self.columns, self._widths(), strict=True)
+            _fmt(f, k(metrics) if callable(k) else metrics.get(k)).rjust(w)
+            for (_, k, f), w in zip(self.columns, self._widths(), strict=True)
         )
 
     def print(self, metrics: Mapping[str, float], write=None) -> None:

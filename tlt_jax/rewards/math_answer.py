@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["extract_answer", "parse_number", "score_gsm8k"]
+__all__ = ["extract_answer", "has_answer_statement", "parse_number", "score_gsm8k"]
 
 # A number not glued to a preceding word character or dot (so "10-5" is 10 and 5, "x2" has no number):
 # a fraction, an integer with optional thousands separators and decimals, or a bare decimal like ".5".
@@ -26,6 +26,9 @@ _LATEX_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
 _MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2014": "-"})
 _BOXED_PREFIXES = ("\\boxed", "\\fbox")
+# An explicit final-answer statement: "answer is" (then at most a few non-digit characters, as in "The answer is
+# N = 42"), "####" or a box, followed by a number.
+_STATEMENT = re.compile(r"(?:\banswer\s+is\b[^\d\n]{0,8}|####\s*|\\boxed\s*\{\s*)-?\$?\.?\d", re.IGNORECASE)
 
 
 def _last_boxed(text: str) -> str | None:
@@ -86,6 +89,12 @@ def parse_number(s: str) -> float | None:
         return float(s)
     except ValueError:
         return None
+
+
+def has_answer_statement(completion: str) -> bool:
+    """Whether the completion states its final answer explicitly ("The answer is 42.", "#### 42", "\\boxed{42}"):
+    the format part of a format + correctness reward, right or wrong."""
+    return _STATEMENT.search(completion.translate(_MINUS_SIGNS)) is not None
 
 
 def score_gsm8k(completion: str, ground_truth: str) -> float:

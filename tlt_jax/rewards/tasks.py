@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tlt_jax.rewards.math_answer import score_gsm8k
+from tlt_jax.rewards.math_answer import has_answer_statement, score_gsm8k
 from tlt_jax.rewards.parallel import ParallelScorer
 
 __all__ = ["GSM8KReward", "RewardFn", "RewardOutput", "TargetTokenReward", "example_max_new_tokens"]
@@ -66,10 +66,17 @@ def example_max_new_tokens(example: dict, cap: int) -> int:
 
 
 class GSM8KReward:
-    """GSM8K exact match of the final number, scored in worker processes with a per-item timeout."""
+    """GSM8K exact match of the final number, scored in worker processes with a per-item timeout.
 
-    def __init__(self, tokenizer, num_workers: int = 2, timeout_s: float = 5.0):
+    format_weight > 0 adds a format reward, as common GRPO recipes pair with correctness: reward = correct +
+    format_weight * (the response states its final answer explicitly, ``has_answer_statement``). ``correct`` (the
+    accuracy metric) stays exact match alone; ``reward/format`` is the share of responses with the statement."""
+
+    def __init__(self, tokenizer, num_workers: int = 2, timeout_s: float = 5.0, format_weight: float = 0.0):
+        if not format_weight >= 0:
+            raise ValueError(f"format_weight must be >= 0, got {format_weight}")
         self.tokenizer = tokenizer
+        self.format_weight = float(format_weight)
         self.scorer = ParallelScorer(score_gsm8k, num_workers=num_workers, timeout_s=timeout_s)
 
     def __call__(self, examples, completions) -> RewardOutput:
@@ -77,9 +84,13 @@ class GSM8KReward:
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for comps in completions for c in comps]
         truths = [ex["ground_truth"] for ex in examples for _ in range(n)]
         out = self.scorer(texts, truths)
-        scores = out.scores.reshape(len(examples), n)
+        correct = out.scores.reshape(len(examples), n) >= 1.0
+        stated = np.array([has_answer_statement(t) for t in texts], bool).reshape(len(examples), n)
+        scores = correct.astype(np.float32) + np.float32(self.format_weight) * stated
         info = {"reward/timeouts": float(out.num_timeouts), "reward/errors": float(out.num_errors)}
-        return RewardOutput(scores, scores >= 1.0, info)
+        if self.format_weight > 0:
+            info["reward/format"] = float(stated.mean())
+        return RewardOutput(scores, correct, info)
 
     def close(self) -> None:
         self.scorer.close()
