@@ -30,7 +30,7 @@ def get_config():
     c.name = "gsm8k"
     c.model.source = "smollm2"
     c.data.source = "arithmetic"
-    c.data.train_size = 2000
+    c.data.train_size = 1000
     c.data.eval_size = 32
     c.data.prompts_per_step = 2
     c.data.max_prompt_len = 320

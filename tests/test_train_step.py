@@ -246,3 +246,26 @@ def test_state_shardings_cover_optimizer_state():
     for a, s in zip(jax.tree.leaves(mu), jax.tree.leaves(want), strict=True):
         assert a.sharding.is_equivalent_to(s, a.ndim)
     assert dataclasses.is_dataclass(state)
+
+
+def test_on_policy_update_equals_the_update_with_recomputed_old_logprobs():
+    """One update per step: taking the old log-probs from the update's own forward (no separate pass, the batch's
+    old_logp unread) gives the update computed from separately recomputed old log-probs."""
+    cfg = tiny_config()
+    batch = _batch(cfg, seed=5)
+    graphdef, params, rest = nnx.split(_model(cfg), nnx.Param, ...)
+    lp = make_logprob_fn(graphdef, chunk_size=4, temperature=0.9)
+    old = np.asarray(lp(params, rest, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])))
+    tx = make_optimizer(OptimConfig(lr=1e-2, eps=1e-3), 10)
+    out = {}
+    for on_policy, old_logp in ((False, old), (True, np.full_like(old, np.nan))):  # on-policy never reads old_logp
+        state = init_train_state(jax.tree.map(jnp.copy, params), tx)
+        loss_cfg = LossConfig(4, temperature=0.9, kl_coef=0.1, on_policy=on_policy)
+        step = make_train_step(graphdef, tx, loss_cfg, state)
+        b = {k: jnp.asarray(v) for k, v in dict(batch, old_logp=old_logp, ref_logp=old - 0.05).items()}
+        out[on_policy] = step(state, rest, b)
+    (s0, m0), (s1, m1) = out[False], out[True]
+    assert float(m1["finite"]) == 1.0 and float(m1["approx_kl"]) == 0.0
+    np.testing.assert_allclose(float(m1["loss"]), float(m0["loss"]), rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)

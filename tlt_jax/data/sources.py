@@ -127,7 +127,7 @@ def _unique_generated(task: str, size: int, seed: int, exclude: set[str]) -> tup
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
     name, kwargs = GENERATED_TASKS[task]
-    cap = 2 * size + 100  # templates with few variables repeat; the task choice per index is prefix-stable
+    cap = 4 * size + 200  # templates with few variables repeat; the task choice per index is prefix-stable
     dataset = reasoning_gym.create_dataset(name, size=cap, seed=seed, **kwargs)
     seen, out = set(exclude), []
     for idx in range(cap):

@@ -107,6 +107,7 @@ class GRPOLearner:
             norm_len=cfg.rollout.max_new_tokens,
             kl_coef=rl.kl_coef,
             kl_kind=rl.kl_kind,
+            on_policy=cfg.updates_per_step == 1,  # one update per step: old log-probs = the update's own forward
         )
         self._train_step = make_train_step(self.graphdef, self.tx, self.loss_cfg, self.state, mesh=mesh, rules=rules)
         self._logprobs = make_logprob_fn(
@@ -168,11 +169,14 @@ class GRPOLearner:
         seqs = build_sequences(prompts, res.tokens)
         t2 = time.perf_counter()
         ids, attn = self._put(seqs["input_ids"]), self._put(seqs["attention_mask"])
-        old = to_host(self._logprobs(self.state.params, self.rest, ids, attn))
+        shape = seqs["input_ids"].shape
+        # On-policy (one update per step): the update takes the old log-probs from its own forward, no pass here.
+        old = (np.zeros(shape, np.float32) if self.loss_cfg.on_policy
+               else to_host(self._logprobs(self.state.params, self.rest, ids, attn)))
         ref = (
             to_host(self._logprobs(self.ref_params, self.rest, ids, attn))
             if self.ref_params is not None
-            else np.zeros_like(old)
+            else np.zeros(shape, np.float32)
         )
         t_logprob = time.perf_counter() - t2
 

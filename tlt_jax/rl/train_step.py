@@ -53,6 +53,9 @@ class LossConfig:
     norm_len: int | None = None
     kl_coef: float = 0.0
     kl_kind: str = "low_var_kl"
+    # The update is the only one on its rollouts (one epoch, one mini-batch): the old policy is the current one, so
+    # its log-probs are the forward's own (stop-gradient) and the batch's ``old_logp`` is not read; no extra pass.
+    on_policy: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -130,9 +133,10 @@ def _micro_loss(params, rest, graphdef, cfg: LossConfig, micro: dict, weight: ja
     model = nnx.merge(graphdef, params, rest)
     logp, entropy = sequence_logprobs(model, micro["input_ids"], micro["attention_mask"], cfg.temperature)
     mask = micro["response_mask"]
+    old = jax.lax.stop_gradient(logp) if cfg.on_policy else micro["old_logp"]
     loss, m = grpo_loss(
         logp,
-        micro["old_logp"],
+        old,
         micro["advantages"],
         mask,
         ref_logp=micro["ref_logp"] if cfg.kl_coef > 0 else None,
