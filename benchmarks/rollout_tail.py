@@ -1,15 +1,18 @@
 """Long-tail rollout benchmark: RolloutEngine vs a whole-batch ``lax.while_loop`` decode of the same requests.
 
-Workload: N requests with forced lengths (ignore_eos), per-request max_new_tokens drawn from a heavy-tailed
-(log-normal) distribution with a fixed seed, median ≈ max/8, the longest request at the max. Greedy decoding, so
-both implementations must emit the same tokens (checked). Both run side by side in one process, after a warm-up
-call that compiles them, alternating for ``--repeats`` rounds; the median wall times are compared.
+Workloads (``--workload``), N requests with forced lengths (ignore_eos), greedy decoding, so both implementations
+must emit the same tokens (checked):
+- tail: per-request max_new_tokens drawn from a heavy-tailed (log-normal) distribution with a fixed seed, median ≈
+  max/8, the longest request at the max.
+- equal: every request exactly ``--equal-len`` tokens (no tail): the engine must not lose to the whole-batch loop.
+Both run side by side in one process, after a warm-up call that compiles them, alternating for ``--repeats`` rounds;
+the median wall times are compared. ms per step = wall seconds / the longest request's tokens (both sides).
 
 The whole-batch baseline is the tunix/gemma sampler loop: prefill the batch, then one ``while_loop`` over the whole
 batch until every row is done, finished rows still computing and attention always reading the full cache.
 
     python benchmarks/rollout_tail.py                        # tiny model, then SmolLM2-135M (embedded GGUF)
-    python benchmarks/rollout_tail.py --models tiny --repeats 5
+    python benchmarks/rollout_tail.py --models tiny --repeats 5 --workload both
 """
 
 from __future__ import annotations
@@ -94,10 +97,15 @@ def whole_batch_decoder(model: CausalLM, max_len: int):
     return lambda *a: fn(params, *a)
 
 
-def run_model(name: str, model: CausalLM, args) -> dict:
+def run_model(name: str, model: CausalLM, args, workload: str = "tail") -> dict:
     cfg = model.config
-    max_new = args.max_new if args.max_new else (256 if name != "tiny" else 512)
-    lengths = tail_lengths(args.requests, max_new, seed=args.seed)
+    if workload == "equal":
+        max_new = args.equal_len
+        lengths = [max_new] * args.requests
+    else:
+        max_new = args.max_new if args.max_new else (256 if name != "tiny" else 512)
+        lengths = tail_lengths(args.requests, max_new, seed=args.seed)
+    load0 = os.getloadavg()[0]
     prompts = make_prompts(args.requests, cfg.vocab_size, args.prompt_min, args.prompt_max, seed=args.seed + 1)
     max_len = max(map(len, prompts)) + max_new
     engine = RolloutEngine(model, max_batch=args.requests, max_len=max_len, chunk_size=args.chunk)
@@ -110,12 +118,13 @@ def run_model(name: str, model: CausalLM, args) -> dict:
     baseline = whole_batch_decoder(model, max_len)
 
     def run_baseline():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         toks, n, lps = jax.device_get(baseline(*base_args))
-        return time.perf_counter() - t0, [toks[i, : n[i]].tolist() for i in range(len(prompts))], lps
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return wall, cpu, [toks[i, : n[i]].tolist() for i in range(len(prompts))], lps
 
     print(
-        f"[{name}] {args.requests} requests, max_new {max_new}, median {int(np.median(lengths))}, "
+        f"[{name}/{workload}] {args.requests} requests, max_new {max_new}, median {int(np.median(lengths))}, "
         f"mean {np.mean(lengths):.1f}, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens",
         flush=True,
     )
@@ -123,23 +132,27 @@ def run_model(name: str, model: CausalLM, args) -> dict:
     warm = engine.generate(prompts, params)
     engine_compile = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _, base_tokens, base_lps = run_baseline()
+    _, _, base_tokens, base_lps = run_baseline()
     base_compile = time.perf_counter() - t0
     print(
-        f"[{name}] warm-up: engine {engine_compile:.1f}s ({warm.stats['pool']['compiles']} compiles), "
+        f"[{name}/{workload}] warm-up: engine {engine_compile:.1f}s ({warm.stats['pool']['compiles']} compiles), "
         f"baseline {base_compile:.1f}s",
         flush=True,
     )
-    eng_times, base_times, last = [], [], warm
+    eng_times, base_times, eng_cpu, base_cpu, last = [], [], [], [], warm
     for r in range(args.repeats or (3 if name == "tiny" else 1)):
+        c0 = time.process_time()
         res = engine.generate(prompts, params)
+        eng_cpu.append(time.process_time() - c0)
         eng_times.append(res.stats["wall_seconds"])
-        bt, base_tokens, base_lps = run_baseline()
+        bt, bc, base_tokens, base_lps = run_baseline()
+        base_cpu.append(bc)
         base_times.append(bt)
         last = res
         print(
-            f"[{name}] round {r}: engine {eng_times[-1]:.2f}s  whole-batch {bt:.2f}s  "
-            f"ratio {bt / eng_times[-1]:.2f}x  (compiles this call: {res.stats['pool_this_call']['compiles']})",
+            f"[{name}/{workload}] round {r}: engine {eng_times[-1]:.2f}s  whole-batch {bt:.2f}s  "
+            f"ratio {bt / eng_times[-1]:.2f}x  CPU {bc / eng_cpu[-1]:.2f}x  "
+            f"(compiles this call: {res.stats['pool_this_call']['compiles']})",
             flush=True,
         )
     got = [t[0] for t in last.tokens]
@@ -153,6 +166,7 @@ def run_model(name: str, model: CausalLM, args) -> dict:
     live_per_step = np.array([sum(1 for x in lengths if x > s) for s in range(1, max_new)])
     out = dict(
         model=name,
+        kind=workload,
         config=dict(
             vocab=cfg.vocab_size,
             hidden=cfg.hidden_size,
@@ -175,6 +189,12 @@ def run_model(name: str, model: CausalLM, args) -> dict:
         engine_seconds=eng_times,
         whole_batch_seconds=base_times,
         speedup=base_s / eng_s,
+        speedup_median_of_rounds=statistics.median(b / e for b, e in zip(base_times, eng_times, strict=True)),
+        engine_cpu_seconds=eng_cpu,
+        whole_batch_cpu_seconds=base_cpu,
+        speedup_cpu=statistics.median(base_cpu) / statistics.median(eng_cpu),
+        engine_ms_per_step=1e3 * eng_s / max_new,
+        whole_batch_ms_per_step=1e3 * base_s / max_new,
         engine_tokens_per_s=total / eng_s,
         whole_batch_tokens_per_s=total / base_s,
         tokens_equal=not mismatch,
@@ -199,6 +219,7 @@ def run_model(name: str, model: CausalLM, args) -> dict:
         compactions=len(st["compactions"]),
         pool=st["pool"],
         warmup_seconds=dict(engine=engine_compile, whole_batch=base_compile),
+        load_average=dict(start=load0, end=os.getloadavg()[0]),
     )
     print_table(out)
     return out
@@ -207,8 +228,8 @@ def run_model(name: str, model: CausalLM, args) -> dict:
 def print_table(r: dict) -> None:
     w = r["workload"]
     print(
-        f"\n== {r['model']} ({r['config']['params_m']}M params): {w['requests']} requests, max_new {w['max_new']}, "
-        f"median {w['median']:.0f}, {w['total_tokens']} tokens"
+        f"\n== {r['model']} ({r['config']['params_m']}M params), {r['kind']}: {w['requests']} requests, "
+        f"max_new {w['max_new']}, median {w['median']:.0f}, {w['total_tokens']} tokens"
     )
     print(f"{'':24}{'engine':>12}{'whole-batch':>14}")
     print(
@@ -216,8 +237,14 @@ def print_table(r: dict) -> None:
         f"{statistics.median(r['whole_batch_seconds']):14.2f}"
     )
     print(f"{'tokens/s':24}{r['engine_tokens_per_s']:12.1f}{r['whole_batch_tokens_per_s']:14.1f}")
+    print(f"{'ms per step':24}{r['engine_ms_per_step']:12.2f}{r['whole_batch_ms_per_step']:14.2f}")
     print(
-        f"speedup {r['speedup']:.2f}x   tokens equal: {r['tokens_equal']}   max |logprob diff| "
+        f"{'process CPU s (median)':24}{statistics.median(r['engine_cpu_seconds']):12.2f}"
+        f"{statistics.median(r['whole_batch_cpu_seconds']):14.2f}"
+    )
+    print(
+        f"speedup {r['speedup']:.2f}x (rounds' median {r['speedup_median_of_rounds']:.2f}x, "
+        f"CPU {r['speedup_cpu']:.2f}x)   tokens equal: {r['tokens_equal']}   max |logprob diff| "
         f"{r['max_logprob_diff']:.2e}"
     )
     print(
@@ -255,7 +282,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,smollm2")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--max-new", type=int, default=0, help="default: 512 (tiny), 256 (smollm2)")
+    ap.add_argument("--workload", default="tail", choices=("tail", "equal", "both"))
+    ap.add_argument("--max-new", type=int, default=0, help="tail workload; default: 512 (tiny), 256 (smollm2)")
+    ap.add_argument("--equal-len", type=int, default=128, help="equal workload: tokens of every request")
     ap.add_argument("--prompt-min", type=int, default=8)
     ap.add_argument("--prompt-max", type=int, default=24)
     ap.add_argument("--chunk", type=int, default=8)
@@ -272,8 +301,12 @@ def main(argv=None) -> int:
             devices=[str(d) for d in jax.devices()],
         ),
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
-        runs=[run_model(name, load(name), args) for name in args.models.split(",")],
+        runs=[],
     )
+    kinds = ("equal", "tail") if args.workload == "both" else (args.workload,)
+    for name in args.models.split(","):
+        model = load(name)
+        results["runs"] += [run_model(name, model, args, kind) for kind in kinds]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

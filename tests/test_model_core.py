@@ -35,6 +35,32 @@ def test_kv_cache_decode_matches_full_forward_with_ragged_lengths(model):
     np.testing.assert_array_equal(cache.lengths, prompt_lens + 4)
 
 
+def test_attend_len_reads_only_the_cache_prefix(model):
+    """attend_len=n (sliced per layer inside the scan) gives the logits of a cache cut to n positions, and those of
+    the full cache when every row's length is <= n; positions >= n are never read (garbage there changes nothing)."""
+    cfg = model.config
+    ids = jax.random.randint(jax.random.key(5), (3, 8), 0, cfg.vocab_size)
+    lens = jnp.array([3, 6, 8])
+    cache = KVCache.zeros(cfg, 3, 32)
+    out = model(ids, attention_mask=jnp.arange(8)[None, :] < lens[:, None], cache=cache)
+    cache = cache.append(out.k_new, out.v_new, lens)
+    tok = ids[:, :1]
+    full = model(tok, cache=cache)
+    junk = KVCache(cache.k.at[:, :, 16:].set(1e3), cache.v.at[:, :, 16:].set(-1e3), cache.lengths)
+    cut = model(tok, cache=cache.view(16))
+    part = model(tok, cache=junk, attend_len=16)
+    np.testing.assert_array_equal(part.logits, cut.logits)
+    np.testing.assert_allclose(part.logits, full.logits, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(part.k_new, full.k_new)
+    long = KVCache(junk.k, junk.v, jnp.full((3,), 20))  # rows "see" 20 positions: attend_len=16 hides the junk
+    seen = model(tok, cache=long, attend_len=16).logits
+    np.testing.assert_array_equal(seen, model(tok, cache=KVCache(cache.k, cache.v, long.lengths).view(16)).logits)
+    assert not np.allclose(seen, model(tok, cache=long).logits, atol=1e-2)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((4, 4), bool)), (3, 4, 4))
+    tree = model(ids[:, :4], cache=junk, attend_len=16, tree_mask=causal)
+    np.testing.assert_allclose(tree.logits, model(ids[:, :4], cache=cache).logits, atol=1e-5, rtol=0)
+
+
 def test_packed_segments_equal_separate_sequences(model):
     cfg = model.config
     a = jax.random.randint(jax.random.key(2), (1, 5), 0, cfg.vocab_size)

@@ -403,3 +403,20 @@ def test_step_info_packs_into_one_array_and_unpacks_by_name():
     assert eagle.tokens is None and eagle.accepted.tolist() == [5, 1, 0]
     decode = StepInfo.unpack(np.asarray(StepInfo(done, ngen, tokens=tokens).pack()), speculative=False)
     assert decode.verifies is None and decode.tokens.tolist() == [[9, 8, -1], [7, -1, -1]]
+
+
+def test_sample_tokens_derives_keys_only_when_a_row_samples():
+    """Keys given as a function (the decode step's lazy form, derived inside the sampling branch) sample exactly what
+    the same keys as an array sample; greedy rows take the argmax; different keys sample differently."""
+    from tlt_jax.sampling import sample_tokens, token_keys
+
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(4, 40)) * 2, jnp.float32)
+    keys = token_keys(3, jnp.arange(4), 0, jnp.arange(4) + 11)
+    temp = jnp.asarray([0.0, 0.9, 0.0, 1.3])
+    eager = sample_tokens(logits, keys, temp, 0, 1.0)
+    lazy = jax.jit(lambda lg, t: sample_tokens(lg, lambda: keys, t, 0, 1.0))
+    np.testing.assert_array_equal(lazy(logits, temp), eager)
+    np.testing.assert_array_equal(np.asarray(eager)[[0, 2]], np.argmax(np.asarray(logits), -1)[[0, 2]])
+    np.testing.assert_array_equal(lazy(logits, jnp.zeros(4)), np.argmax(logits, -1))
+    other = token_keys(4, jnp.arange(4), 0, jnp.arange(4) + 11)
+    assert not np.array_equal(sample_tokens(logits, other, 5.0, 0, 1.0), sample_tokens(logits, keys, 5.0, 0, 1.0))

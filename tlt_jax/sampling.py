@@ -60,16 +60,18 @@ def sample_from_logprobs(keys: jax.Array, logp: jax.Array) -> jax.Array:
     return jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
 
 
-def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """Plain decoding's token choice for logits [..., V] (keys of shape logits.shape[:-1]): a Gumbel-max sample of
-    ``processed_logprobs``. When every row is greedy it takes the argmax directly (the token the processed one-hot
-    gives) and skips the full-vocabulary sort and the noise."""
+def sample_tokens(logits: jax.Array, keys, temperature, top_k, top_p) -> jax.Array:
+    """Plain decoding's token choice for logits [..., V]: a Gumbel-max sample of ``processed_logprobs``. ``keys``:
+    typed keys of shape logits.shape[:-1], or a function returning them (derived only when some row samples). When
+    every row is greedy it takes the argmax directly (the token the processed one-hot gives) and skips the key
+    derivation, the full-vocabulary sort and the noise."""
 
     def greedy(_):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sample(_):
-        return sample_from_logprobs(keys, processed_logprobs(logits, temperature, top_k, top_p))
+        k = keys() if callable(keys) else keys
+        return sample_from_logprobs(k, processed_logprobs(logits, temperature, top_k, top_p))
 
     return jax.lax.cond(jnp.all(jnp.asarray(temperature) <= 0.0), greedy, sample, None)
 

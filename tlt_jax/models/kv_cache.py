@@ -35,13 +35,15 @@ class KVCache:
         return self.k.shape[2]
 
     def view(self, length: int) -> KVCache:
-        """The first ``length`` positions (a cache-length bucket): attention then reads no further."""
+        """The first ``length`` positions (a cache-length bucket): attention then reads no further. This slices
+        (copies) every layer at once; a model forward reads a prefix cheaper with ``attend_len`` (per layer, fused)."""
         return KVCache(self.k[:, :, :length], self.v[:, :, :length], self.lengths)
 
-    def attention_mask(self, num_queries: int) -> jax.Array:
-        """[B, T, S] bool: every query of a row sees that row's committed keys."""
-        visible = jnp.arange(self.k.shape[2])[None, :] < self.lengths[:, None]
-        return jnp.broadcast_to(visible[:, None, :], (self.batch, num_queries, self.k.shape[2]))
+    def attention_mask(self, num_queries: int, length: int | None = None) -> jax.Array:
+        """[B, T, S] bool (S = ``length`` or the capacity): every query of a row sees that row's committed keys."""
+        s = self.k.shape[2] if length is None else length
+        visible = jnp.arange(s)[None, :] < self.lengths[:, None]
+        return jnp.broadcast_to(visible[:, None, :], (self.batch, num_queries, s))
 
     def write(self, k_new: jax.Array, v_new: jax.Array, src: jax.Array, count: jax.Array) -> KVCache:
         """Append rows of a forward's new keys/values: row b gets ``new[:, b, src[b, i]]`` for ``i < count[b]``.

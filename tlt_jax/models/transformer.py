@@ -58,16 +58,21 @@ PALLAS_MAX_NEW_TOKENS = 128
 
 
 def scan_layers(layers: DecoderLayer, x, cos, sin, new_mask, cache: KVCache | None, remat: bool = False,
-                attention_impl: str = "xla"):
+                attention_impl: str = "xla", attend_len: int | None = None):
     """Run stacked layers with lax.scan; returns the final activations and the new keys/values of every layer.
-    attention_impl "pallas" with a cache and at most PALLAS_MAX_NEW_TOKENS new tokens: the tree-attention kernel."""
+    attention_impl "pallas" with a cache and at most PALLAS_MAX_NEW_TOKENS new tokens: the tree-attention kernel.
+    attend_len (static): attention reads only the first attend_len cache positions, sliced inside each layer's step
+    (fused with that layer's read) rather than copying the whole cache prefix up front."""
     graphdef, state = nnx.split(layers)
     use_kernel = attention_impl == "pallas" and cache is not None and x.shape[1] <= PALLAS_MAX_NEW_TOKENS
-    cache_mask = None if cache is None or use_kernel else cache.attention_mask(x.shape[1])
+    n = None if cache is None else min(cache.max_len, attend_len or cache.max_len)
+    cache_mask = None if cache is None or use_kernel else cache.attention_mask(x.shape[1], n)
     cache_len = cache.lengths if use_kernel else None
 
     def body(h, xs):
         layer_state, kc, vc = xs
+        if kc is not None and n < kc.shape[1]:
+            kc, vc = kc[:, :n], vc[:, :n]
         layer = nnx.merge(graphdef, layer_state)
         return layer(h, cos, sin, new_mask, kc, vc, cache_mask, cache_len)
 
@@ -120,13 +125,15 @@ class CausalLM(nnx.Module):
         cache: KVCache | None = None,
         logits_indices: jax.Array | None = None,
         return_logits: bool = True,
+        attend_len: int | None = None,
     ) -> ModelOutput:
         """Forward over T new tokens per row.
 
         input_ids [B, T]; positions [B, T] (default: cache length + arange(T), or arange(T)); attention_mask [B, T]
         marks valid (non-padding) tokens; segment_ids [B, T] separates packed samples; tree_mask [B, T, T] replaces
         the causal mask among new tokens; cache: keys/values the new tokens also attend to (up to each row's length);
-        logits_indices [B, K]: compute logits only at these positions.
+        logits_indices [B, K]: compute logits only at these positions. attend_len (static int): attention reads only
+        the first attend_len cache positions (>= every row's length; a cache-length bucket).
         """
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"CausalLM.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
@@ -138,7 +145,8 @@ class CausalLM(nnx.Module):
         cos, sin = self.rope(positions)
         x = self.embed(input_ids)
         x, k_new, v_new = scan_layers(
-            self.layers, x, cos, sin, new_mask, cache, remat=self.remat, attention_impl=self.attention_impl
+            self.layers, x, cos, sin, new_mask, cache, remat=self.remat, attention_impl=self.attention_impl,
+            attend_len=attend_len,
         )
         hidden = self.norm(x)
         logits = None

@@ -88,8 +88,12 @@ class StepContext:
 
 
 def choose_tokens(logits: jax.Array, state: DecodeState, positions: jax.Array) -> jax.Array:
-    """Sample each row's next token from its processed distribution (counter-based keys at ``positions``)."""
-    keys = token_keys(state.seed, state.request_id, state.sample_id, positions)
+    """Sample each row's next token from its processed distribution (counter-based keys at ``positions``, derived
+    only when some row samples: an all-greedy batch takes the argmax)."""
+
+    def keys():
+        return token_keys(state.seed, state.request_id, state.sample_id, positions)
+
     return sample_tokens(logits, keys, state.temperature, state.top_k, state.top_p)
 
 
@@ -126,7 +130,7 @@ def decode_one(model, state: DecodeState, length: int, side: str, drafter=None) 
     """One plain decode step over every row; attention reads only cache positions < ``length``. With a drafter,
     its cache gets the pair (hidden of the fed token, sampled token) of every active row."""
     active = ~state.done
-    out = model(state.last_token[:, None], cache=state.cache.view(length))
+    out = model(state.last_token[:, None], cache=state.cache, attend_len=length)
     logits = out.logits[:, 0].astype(jnp.float32)
     tok = choose_tokens(logits, state, state.cache.lengths + 1)
     cache = state.cache.append(out.k_new, out.v_new, active.astype(jnp.int32))

@@ -53,10 +53,12 @@ def depth_keys(seed, request_ids, sample_ids, first_position, max_depth: int) ->
     return token_keys(seed, jnp.asarray(request_ids)[:, None], jnp.asarray(sample_ids)[:, None], pos)
 
 
-def tree_forward(policy, cache: KVCache, tree: Tree, max_depth: int):
-    """One policy forward over the B x N tree tokens (committed prefix visible, tree mask, positions = len + depth)."""
+def tree_forward(policy, cache: KVCache, tree: Tree, max_depth: int, attend_len: int | None = None):
+    """One policy forward over the B x N tree tokens (committed prefix visible, tree mask, positions = len + depth);
+    attention reads only the first attend_len cache positions (static; None = all)."""
     mask = ancestor_matrix(tree, max_depth)
-    return policy(tree.tokens, positions=tree_positions(tree, cache.lengths), tree_mask=mask, cache=cache)
+    positions = tree_positions(tree, cache.lengths)
+    return policy(tree.tokens, positions=positions, tree_mask=mask, cache=cache, attend_len=attend_len)
 
 
 def sample_tree(logits: jax.Array, tree: Tree, keys: jax.Array, temperature, top_k, top_p) -> jax.Array:
@@ -145,7 +147,7 @@ def verify_tree(policy, cache: KVCache, tree: Tree, keys, temperature, top_k, to
     ``remaining`` rows past the committed length. attend_len (static): the forward reads only the first attend_len
     cache positions (a length bucket >= every committed length); the commit still goes to the full cache.
     """
-    out = tree_forward(policy, cache if attend_len is None else cache.view(attend_len), tree, max_depth)
+    out = tree_forward(policy, cache, tree, max_depth, attend_len)
     b = tree.tokens.shape[0]
     active = jnp.broadcast_to(jnp.asarray(active, bool), (b,))
     temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(x, dt), (b,)) for x, dt in
