@@ -188,11 +188,51 @@ def off_overhead(policy, drafter, prompts, batches, tokens, max_len: int, repeat
         # per repeat the ratio to plain's run of the same repeat, then the median: robust to slow drift
         for k in list(engines)[1:]:
             row[f"{k}_over_plain"] = float(np.median(np.divide(secs[k], secs["plain"])))
+        chunk = _chunk_ms(engines, group, n_new, reps=31)
+        row["chunk_ms"] = chunk
+        for k in list(engines)[1:]:
+            row[f"{k}_chunk_over_plain"] = float(np.median(np.divide(chunk[k], chunk["plain"])))
         out.append(row)
         print(f"b={b}: plain {1000 * med['plain'] / row['steps']:.1f} ms/step; off with the EAGLE drafter "
               f"{row['off_eagle_over_plain']:.3f}x plain's time, EAGLE + n-gram arms "
-              f"{row['off_eagle_ngram_over_plain']:.3f}x (load {os.getloadavg()[0]:.1f})", flush=True)
+              f"{row['off_eagle_ngram_over_plain']:.3f}x; one compiled K-step chunk alone: plain "
+              f"{np.median(chunk['plain']):.1f} ms, off with the EAGLE drafter "
+              f"{row['off_eagle_chunk_over_plain']:.3f}x, "
+              f"EAGLE + n-gram {row['off_eagle_ngram_chunk_over_plain']:.3f}x (load {os.getloadavg()[0]:.1f})",
+              flush=True)
     return out
+
+
+def _chunk_ms(engines: dict, prompts, n_new: int, reps: int) -> dict[str, list[float]]:
+    """Milliseconds of each engine's compiled plain decode chunk (K steps, batch bucket of ``prompts``) right after
+    prefilling the same prompts, without the host loop: every call on its own copy of the state (made untimed), the
+    engines interleaved call by call, the order alternating. Isolates the device cost of keeping the drafter cache
+    current from the host's round-trip work."""
+    import jax.numpy as jnp
+
+    from tlt_jax.rollout import buckets as bk
+    from tlt_jax.rollout.pool import StepKey
+    from tlt_jax.rollout.run import GenerateRun
+
+    copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
+    params = SamplingParams(temperature=0.0, max_new_tokens=n_new, ignore_eos=True)
+    prepared = {}
+    for k, e in engines.items():
+        run = GenerateRun(e, prompts, [n_new] * len(prompts), list(range(len(prompts))), params, ())
+        state, _, slots, plen, _ = run.prefill([(i, 0) for i in range(len(prompts))])
+        length = bk.pick(e.length_buckets, int(plen.max()) + e.chunk_size)
+        exe = e.pool.get(StepKey("decode", len(slots), length, "plain"), e.step_params(), state)
+        jax.block_until_ready(exe(e.step_params(), copy(state)))
+        prepared[k] = (e, exe, state)
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for r in range(reps):
+        for k in list(engines)[:: 1 if r % 2 == 0 else -1]:
+            e, exe, state = prepared[k]
+            fresh = jax.block_until_ready(copy(state))
+            t = time.perf_counter()
+            jax.block_until_ready(exe(e.step_params(), fresh))
+            times[k].append(1000 * (time.perf_counter() - t))
+    return times
 
 
 class _Tally:
@@ -293,7 +333,7 @@ def main(argv):
         drafters["eagle"] = load_drafter(_drafter_dir())
     max_len = max(len(p) for p in prompts) + max(tokens) + 64
     if _F.off_overhead:
-        res = off_overhead(policy, drafters["eagle"], prompts, batches, tokens, max_len, max(_F.repeats, 3))
+        res = off_overhead(policy, drafters["eagle"], prompts, batches, tokens, max_len, _F.repeats)
         pathlib.Path(_F.out).write_text(json.dumps(dict(off_overhead=res), indent=1, default=_np))
         return
     max_batch = max(batches)
@@ -338,7 +378,7 @@ def main(argv):
             tallies, pt = _run_cell(arms, groups, params, _F.repeats, ada)
             n_tok, t_plain, d_plain = sum(len(t) for t in pt.tokens), pt.seconds, pt.decode_seconds
             base = dict(batch=b, prompts=sum(len(g) for g in groups), temperature=temp, tokens=n_tok,
-                        plain_seconds=t_plain, plain_tokens_per_s=n_tok / t_plain)
+                        plain_seconds=t_plain, plain_tokens_per_s=n_tok / t_plain, load_average=os.getloadavg())
             rows.append(dict(base, drafter="none", config="plain", seconds=t_plain, tokens_per_s=n_tok / t_plain,
                              speedup=1.0, decode_seconds=d_plain, decode_speedup=1.0, lossless=True, **pt.stats()))
             print(f"b={b:2d} T={temp}: plain {n_tok / t_plain:7.1f} tok/s ({n_tok} tokens)", flush=True)

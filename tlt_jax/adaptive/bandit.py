@@ -117,7 +117,8 @@ class BanditConfig:
 
 class Bandit:
     """The per-bucket epsilon-greedy bandit over ``config.arms``. ``choose(bucket)`` → Arm; ``observe(arm, bucket,
-    tokens, seconds, steps)`` after each round trip that ran the arm; ``stats()`` for the metrics."""
+    tokens, seconds, steps, rows)`` after each round trip that ran the arm; ``estimates(bucket)`` what a choice sees;
+    ``stats()`` for the metrics."""
 
     NOISE_Z = 2.0  # standard errors of allowance in ``_plausible``
 
