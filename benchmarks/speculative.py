@@ -19,6 +19,14 @@ of its two passes). Every speculative run is checked token for token against the
 (lossless). Time = the engine's prefill + decode seconds (compilation happens before a step's clock starts, so it is
 excluded); ``decode_speedup`` leaves out the prefill (the same work in every arm). Reports, per (temperature,
 drafter), the best speedup by batch and the smallest batch from which no configuration beats plain.
+
+Adaptive engine (--adaptive): one RolloutEngine holding both drafters, ``SpecConfig(arms=("off", every fixed arm of the
+batch))``, its bandit fresh for every (batch, temperature). It runs in the first interleaved pass ("cold": it pays its
+learning) and once more over the same prompts with the same bandit ("warm": the steady state, as in RL where the bandit
+carries across steps); each against plain of the same pass, and against the best fixed arm.
+
+--off_overhead: only the "off" arm's cost in an adaptive engine with an EAGLE drafter (its plain steps also keep the
+drafter's KV cache current) against the plain engine, same prompts and forced lengths.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from tlt_jax.adaptive import Bandit
 from tlt_jax.assets import EMBEDDED_DRAFTER, resolve_drafter_path
 from tlt_jax.drafter.export import load_drafter
 from tlt_jax.drafter.warmup import load_policy_and_prompts
@@ -58,6 +67,9 @@ flags.DEFINE_integer("repeats", 1, "interleaved passes per cell; each arm's time
 flags.DEFINE_bool("breakdown", True, "time the parts of one step at batch 1 (plain step; EAGLE draft, verify, extend)")
 flags.DEFINE_bool("adaptive", True, "also run the adaptive engine: a bandit over off + every fixed arm of the batch")
 flags.DEFINE_float("epsilon", 0.1, "adaptive: exploration probability")
+flags.DEFINE_float("margin", 0.1, "adaptive: explore only arms within this fraction of the best (BanditConfig.margin)")
+flags.DEFINE_bool("off_overhead", False, "only measure the adaptive engine's 'off' arm against plain (the drafter "
+                  "cache kept current by every plain step) at --batches, then exit")
 flags.DEFINE_string("out", "benchmarks/results/speculative_smollm2_cpu.json", "JSON output")
 
 
@@ -148,6 +160,82 @@ def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -
     return rows
 
 
+def off_overhead(policy, drafter, prompts, batches, tokens, max_len: int, repeats: int) -> list[dict]:
+    """Decode seconds of the adaptive engine pinned to "off" (threshold 0: the gate never opens) over plain decoding,
+    same prompts and forced lengths (greedy, ignore_eos), interleaved passes, medians. Two adaptive engines: EAGLE arms
+    only (its plain steps also extend the drafter's KV cache) and EAGLE + n-gram arms (also report every emitted token
+    for the host n-gram histories), as the benchmark's adaptive engine."""
+    max_batch = max(batches)
+    kw = dict(max_batch=max_batch, max_len=max_len)
+    engines = {"plain": RolloutEngine(policy, **kw)}
+    pinned = {"off_eagle": ("off", "eagle:3x1x4"), "off_eagle_ngram": ("off", "ngram:3x1x4", "eagle:3x1x4")}
+    for name, arms in pinned.items():
+        engines[name] = RolloutEngine(policy, drafter=drafter, spec=SpecConfig(arms=arms, threshold=0), **kw)
+    out = []
+    for b, n_new in zip(batches, tokens, strict=False):
+        params = SamplingParams(temperature=0.0, max_new_tokens=n_new, ignore_eos=True)
+        group = prompts[:b]
+        ref = {k: e.generate(group, params) for k, e in engines.items()}  # compiles
+        secs: dict[str, list[float]] = {k: [] for k in engines}
+        for r in range(repeats):  # the order alternates, so a drift in load does not favour one engine
+            for k in list(engines)[:: 1 if r % 2 == 0 else -1]:
+                res = engines[k].generate(group, params)
+                if res.tokens != ref["plain"].tokens or any(c["choice"] != "off" for c in res.stats["chunks"]):
+                    raise AssertionError(f"{k}: not plain decoding")
+                secs[k].append(res.stats["decode_seconds"])
+        med = {k: float(np.median(v)) for k, v in secs.items()}
+        row = dict(batch=b, tokens=n_new, steps=ref["plain"].stats["steps"], repeats=repeats, decode_seconds=secs,
+                   load_average=os.getloadavg())
+        # per repeat the ratio to plain's run of the same repeat, then the median: robust to slow drift
+        for k in list(engines)[1:]:
+            row[f"{k}_over_plain"] = float(np.median(np.divide(secs[k], secs["plain"])))
+        chunk = _chunk_ms(engines, group, n_new, reps=31)
+        row["chunk_ms"] = chunk
+        for k in list(engines)[1:]:
+            row[f"{k}_chunk_over_plain"] = float(np.median(np.divide(chunk[k], chunk["plain"])))
+        out.append(row)
+        print(f"b={b}: plain {1000 * med['plain'] / row['steps']:.1f} ms/step; off with the EAGLE drafter "
+              f"{row['off_eagle_over_plain']:.3f}x plain's time, EAGLE + n-gram arms "
+              f"{row['off_eagle_ngram_over_plain']:.3f}x; one compiled K-step chunk alone: plain "
+              f"{np.median(chunk['plain']):.1f} ms, off with the EAGLE drafter "
+              f"{row['off_eagle_chunk_over_plain']:.3f}x, "
+              f"EAGLE + n-gram {row['off_eagle_ngram_chunk_over_plain']:.3f}x (load {os.getloadavg()[0]:.1f})",
+              flush=True)
+    return out
+
+
+def _chunk_ms(engines: dict, prompts, n_new: int, reps: int) -> dict[str, list[float]]:
+    """Milliseconds of each engine's compiled plain decode chunk (K steps, batch bucket of ``prompts``) right after
+    prefilling the same prompts, without the host loop: every call on its own copy of the state (made untimed), the
+    engines interleaved call by call, the order alternating. Isolates the device cost of keeping the drafter cache
+    current from the host's round-trip work."""
+    import jax.numpy as jnp
+
+    from tlt_jax.rollout import buckets as bk
+    from tlt_jax.rollout.pool import StepKey
+    from tlt_jax.rollout.run import GenerateRun
+
+    copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
+    params = SamplingParams(temperature=0.0, max_new_tokens=n_new, ignore_eos=True)
+    prepared = {}
+    for k, e in engines.items():
+        run = GenerateRun(e, prompts, [n_new] * len(prompts), list(range(len(prompts))), params, ())
+        state, _, slots, plen, _ = run.prefill([(i, 0) for i in range(len(prompts))])
+        length = bk.pick(e.length_buckets, int(plen.max()) + e.chunk_size)
+        exe = e.pool.get(StepKey("decode", len(slots), length, "plain"), e.step_params(), state)
+        jax.block_until_ready(exe(e.step_params(), copy(state)))
+        prepared[k] = (e, exe, state)
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for r in range(reps):
+        for k in list(engines)[:: 1 if r % 2 == 0 else -1]:
+            e, exe, state = prepared[k]
+            fresh = jax.block_until_ready(copy(state))
+            t = time.perf_counter()
+            jax.block_until_ready(exe(e.step_params(), fresh))
+            times[k].append(1000 * (time.perf_counter() - t))
+    return times
+
+
 class _Tally:
     """One arm's totals over the prompt groups of a (batch, temperature) cell."""
 
@@ -178,26 +266,50 @@ class _Tally:
                     seconds_passes=self.seconds_passes or [self.seconds])
 
 
-def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1) -> tuple[dict, _Tally]:
+def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1, adaptive=None):
     """Run every arm on every prompt group, interleaved (per group: plain, each speculative arm, plain again), so a
     drift in machine load hits every arm alike; plain's time is the mean of its two passes. With ``repeats`` > 1 the
     whole interleaved pass runs that many times and each arm's seconds are the median over the passes (the shared
     machine's memory bandwidth drifts by tens of percent; the tokens must be identical in every pass). Returns the
-    tallies of the speculative arms and plain's."""
-    passes = []
-    for _ in range(repeats):
+    tallies of the speculative arms and plain's.
+
+    ``adaptive`` (an adaptive engine, its bandit fresh) joins the first pass ("cold": it learns while it runs), then
+    runs every group once more between two plain runs ("warm": the same bandit, as in RL where it carries across
+    steps). Its tallies come back under ("adaptive", "cold" | "warm") with ``ref_seconds`` / ``ref_decode_seconds``,
+    plain's mean time of the same pass, and ``choices``, the bandit's choice counters after the pass."""
+    passes, extra = [], {}
+    for p in range(repeats):
         plain, again = _Tally(), _Tally()
         tallies = {key: _Tally() for key in arms if key != "plain"}
+        cold = _Tally() if adaptive is not None and p == 0 else None
         for g in groups:
             plain.run(arms["plain"], g, params)
             for key, t in tallies.items():
                 t.run(arms[key], g, params)
+            if cold is not None:
+                cold.run(adaptive, g, params)
             again.run(arms["plain"], g, params)
         if again.tokens != plain.tokens:
             raise AssertionError("plain decoding is not deterministic across two passes")
         plain.seconds = (plain.seconds + again.seconds) / 2
         plain.decode_seconds = (plain.decode_seconds + again.decode_seconds) / 2
+        if cold is not None:
+            cold.ref_seconds, cold.ref_decode_seconds = plain.seconds, plain.decode_seconds
+            cold.choices = adaptive.bandit.stats()["choices"]
+            extra["adaptive", "cold"] = cold
         passes.append((tallies, plain))
+    if adaptive is not None:
+        plain, warm, again = _Tally(), _Tally(), _Tally()
+        for g in groups:
+            plain.run(arms["plain"], g, params)
+            warm.run(adaptive, g, params)
+            again.run(arms["plain"], g, params)
+        if again.tokens != plain.tokens or plain.tokens != passes[0][1].tokens:
+            raise AssertionError("plain decoding is not deterministic across passes")
+        warm.ref_seconds = (plain.seconds + again.seconds) / 2
+        warm.ref_decode_seconds = (plain.decode_seconds + again.decode_seconds) / 2
+        warm.choices = adaptive.bandit.stats()["choices"]
+        extra["adaptive", "warm"] = warm
     tallies, plain = passes[0]
     for key, t in [*tallies.items(), ("plain", plain)]:
         runs = [p[1] if key == "plain" else p[0][key] for p in passes]
@@ -206,7 +318,7 @@ def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1) -> t
         t.seconds_passes = [r.seconds for r in runs]
         t.seconds = float(np.median(t.seconds_passes))
         t.decode_seconds = float(np.median([r.decode_seconds for r in runs]))
-    return tallies, plain
+    return tallies | extra, plain
 
 
 def main(argv):
@@ -221,6 +333,10 @@ def main(argv):
     if "eagle" in _F.drafters and _drafter_dir():
         drafters["eagle"] = load_drafter(_drafter_dir())
     max_len = max(len(p) for p in prompts) + max(tokens) + 64
+    if _F.off_overhead:
+        res = off_overhead(policy, drafters["eagle"], prompts, batches, tokens, max_len, _F.repeats)
+        pathlib.Path(_F.out).write_text(json.dumps(dict(off_overhead=res), indent=1, default=_np))
+        return
     max_batch = max(batches)
     plain = RolloutEngine(policy, max_batch=max_batch, max_len=max_len)
     engines: dict[tuple[str, str], RolloutEngine] = {}
@@ -245,32 +361,45 @@ def main(argv):
         groups = [prompts[i: i + 1] for i in range(_F.b1_prompts)] if b == 1 else [prompts[:b]]
         configs = _F.configs_b1 if b == 1 else _F.configs_small if b <= 4 else _F.configs_large
         arms = {"plain": plain} | {(name, c): engine(name, c) for c in configs for name in drafters}
-        if _F.adaptive:  # one engine per batch: its bandit carries over prompt groups and temperatures
+        ada = None
+        if _F.adaptive:  # one engine per batch, a fresh bandit per (batch, temperature): see _run_cell
             bandit_arms = ("off", *(f"{name}:{c}" for name in drafters for c in configs))
-            spec = SpecConfig(arms=bandit_arms, epsilon=_F.epsilon, threshold=max_batch,
-                              steps_per_call=_F.steps_per_call)
-            arms["adaptive", "+".join(bandit_arms)] = RolloutEngine(
-                policy, drafter=drafters.get("eagle"), spec=spec, max_batch=max_batch, max_len=max_len)
+            spec = SpecConfig(
+                arms=bandit_arms,
+                epsilon=_F.epsilon,
+                margin=_F.margin,
+                threshold=max_batch,
+                steps_per_call=_F.steps_per_call,
+            )
+            ada = RolloutEngine(policy, drafter=drafters.get("eagle"), spec=spec, max_batch=max_batch, max_len=max_len)
         for temp in (float(t) for t in _F.temperatures):
             params = SamplingParams(temperature=temp, max_new_tokens=n_new, seed=0, stop_token_ids=stops)
-            tallies, pt = _run_cell(arms, groups, params, _F.repeats)
+            if ada is not None:
+                ada.bandit = Bandit(ada.spec.bandit_config())
+            tallies, pt = _run_cell(arms, groups, params, _F.repeats, ada)
             n_tok, t_plain, d_plain = sum(len(t) for t in pt.tokens), pt.seconds, pt.decode_seconds
             base = dict(batch=b, prompts=sum(len(g) for g in groups), temperature=temp, tokens=n_tok,
-                        plain_seconds=t_plain, plain_tokens_per_s=n_tok / t_plain)
+                        plain_seconds=t_plain, plain_tokens_per_s=n_tok / t_plain, load_average=os.getloadavg())
             rows.append(dict(base, drafter="none", config="plain", seconds=t_plain, tokens_per_s=n_tok / t_plain,
                              speedup=1.0, decode_seconds=d_plain, decode_speedup=1.0, lossless=True, **pt.stats()))
             print(f"b={b:2d} T={temp}: plain {n_tok / t_plain:7.1f} tok/s ({n_tok} tokens)", flush=True)
             for (name, c), tl in tallies.items():
                 t, lossless = tl.seconds, tl.tokens == pt.tokens
+                ref, dref = (tl.ref_seconds, tl.ref_decode_seconds) if name == "adaptive" else (t_plain, d_plain)
                 rows.append(dict(base, drafter=name, config=c, seconds=t, tokens_per_s=n_tok / t,
-                                 speedup=t_plain / t, decode_seconds=tl.decode_seconds,
-                                 decode_speedup=d_plain / tl.decode_seconds, lossless=lossless, **tl.stats()))
-                if name == "adaptive":
-                    rows[-1].update(arm_steps=tl.arm_steps, bandit_best=arms[name, c].bandit.stats()["best"])
-                print(f"b={b:2d} T={temp}: {name:>5} {c:>7}: accept {tl.stats()['mean_accept']:.2f} tok/verify, "
+                                 speedup=ref / t, decode_seconds=tl.decode_seconds,
+                                 decode_speedup=dref / tl.decode_seconds, lossless=lossless, **tl.stats()))
+                label = f"{name:>5} {c:>7}"
+                if name == "adaptive":  # speedups against plain of the same pass
+                    rows[-1].update(arm_steps=tl.arm_steps, bandit_choices=tl.choices, plain_seconds_pass=ref,
+                                    bandit_best=ada.bandit.stats()["best"], arms=list(bandit_arms))
+                    label = "adaptive, cold (1st pass, fresh bandit)" if c == "cold" else "adaptive, warm (2nd pass)"
+                print(f"b={b:2d} T={temp}: {label}: accept {tl.stats()['mean_accept']:.2f} tok/verify, "
                       f"{tl.stats()['ms_per_step']:.1f} ms/step (plain {pt.stats()['ms_per_step']:.1f}), "
-                      f"{n_tok / t:7.1f} tok/s, {t_plain / t:.2f}x plain "
-                      f"(decode only {d_plain / tl.decode_seconds:.2f}x), lossless={lossless}", flush=True)
+                      f"{n_tok / t:7.1f} tok/s, {ref / t:.2f}x plain "
+                      f"(decode only {dref / tl.decode_seconds:.2f}x), lossless={lossless}", flush=True)
+                if name == "adaptive":
+                    print(f"    arm steps {tl.arm_steps}; bandit choices {tl.choices}", flush=True)
                 write(rows, breakdown, drafters, split, t_start, final=False)  # partial results survive a kill
     write(rows, breakdown, drafters, split, t_start, final=True)
 
@@ -281,7 +410,7 @@ def _drafter_dir():
 
 
 def write(rows, breakdown, drafters, split, t_start, final: bool) -> None:
-    summary = _summarise(rows, list(drafters) + (["adaptive"] if _F.adaptive else []), log=final)
+    summary = _summarise(rows, list(drafters), log=final)
     if _F.adaptive:
         summary.append(dict(adaptive_vs_fixed=_adaptive_vs_fixed(rows, log=final)))
     out = pathlib.Path(_F.out)
@@ -324,22 +453,34 @@ def _summarise(rows, names, log: bool = True):
 
 
 def _adaptive_vs_fixed(rows, log: bool = True) -> list[dict]:
-    """Per (temperature, batch): the adaptive engine's speedup over plain and its ratio to the best fixed arm of the
-    same run (goals: >= 1.0x plain, >= 0.95x the best fixed arm)."""
+    """Per (temperature, batch) and adaptive pass (cold: the first, with a fresh bandit; warm: the second): the
+    adaptive engine's speedup over plain (plain of the same pass) and its ratio to the best fixed arm's speedup
+    (goals: >= 1.0x plain, >= 0.95x the best fixed arm)."""
     out = []
     for temp, b in sorted({(r["temperature"], r["batch"]) for r in rows}):
         cell = [r for r in rows if r["temperature"] == temp and r["batch"] == b]
-        ada = next((r for r in cell if r["drafter"] == "adaptive"), None)
-        fixed = [r for r in cell if r["drafter"] not in ("adaptive",)]  # plain included: "off" is an arm
-        if ada is None:
-            continue
+        fixed = [r for r in cell if r["drafter"] != "adaptive"]  # plain included: "off" is an arm
         best = max(fixed, key=lambda r: r["speedup"])
-        out.append(dict(temperature=temp, batch=b, adaptive_vs_plain=ada["speedup"],
-                        best_fixed=f"{best['drafter']} {best['config']}", best_fixed_vs_plain=best["speedup"],
-                        adaptive_vs_best=ada["speedup"] / best["speedup"], arm_steps=ada.get("arm_steps")))
-        if log:
-            print(f"T={temp} b={b}: adaptive {ada['speedup']:.2f}x plain, {ada['speedup'] / best['speedup']:.2f}x the "
-                  f"best fixed arm ({best['drafter']} {best['config']} {best['speedup']:.2f}x)")
+        for ada in (r for r in cell if r["drafter"] == "adaptive"):
+            out.append(
+                dict(
+                    temperature=temp,
+                    batch=b,
+                    adaptive_pass=ada["config"],
+                    adaptive_vs_plain=ada["speedup"],
+                    best_fixed=f"{best['drafter']} {best['config']}",
+                    best_fixed_vs_plain=best["speedup"],
+                    adaptive_vs_best=ada["speedup"] / best["speedup"],
+                    arm_steps=ada.get("arm_steps"),
+                    bandit_choices=ada.get("bandit_choices"),
+                )
+            )
+            if log:
+                print(
+                    f"T={temp} b={b}: adaptive {ada['config']:>4}: {ada['speedup']:.2f}x plain, "
+                    f"{ada['speedup'] / best['speedup']:.2f}x the best fixed arm ({best['drafter']} {best['config']} "
+                    f"{best['speedup']:.2f}x)"
+                )
     return out
 
 

@@ -1,7 +1,9 @@
 """Adaptive speculation: arm parsing, the BEG-MAB bandit on scripted reward tables (convergence per bucket, the
-exploration rate, untried arms first, forgetting after the best arm changes, reproducibility, state round trip), the
-hysteresis gate and the reachable (arm, bucket) set."""
+exploration rate, arms nothing is known of first, transfer between buckets, plausible-only and time-share
+exploration, forgetting after the best arm changes, reproducibility, state round trip), the hysteresis gate and the
+reachable (arm, bucket) set."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -13,16 +15,18 @@ from tlt_jax.rollout.spec_steps import SpecConfig
 ARMS = ["off", "eagle:8x4x48", "eagle:4x2x12"]
 
 
-def run(bandit: Bandit, table, rounds: int, noise_seed: int = 0, tokens: int = 64):
+def run(bandit: Bandit, table, rounds: int, noise_seed: int = 0, tokens=64):
     """Drive ``bandit`` for ``rounds`` round trips per bucket; table(t) -> {bucket: {arm: tokens/s}}. Seconds carry
-    10% log-normal noise from their own seeded generator. Returns {bucket: [chosen arm strings]}."""
+    10% log-normal noise from their own seeded generator; ``tokens`` per round trip (an int, or {arm: int}). Returns
+    {bucket: [chosen arm strings]}."""
     noise = np.random.default_rng(noise_seed)
     chosen = {}
     for t in range(rounds):
         for bucket, rates in table(t).items():
             arm = bandit.choose(bucket)
-            secs = tokens / rates[str(arm)] * float(np.exp(noise.normal(0, 0.1)))
-            bandit.observe(arm, bucket, tokens, secs, steps=3)
+            n = tokens[str(arm)] if isinstance(tokens, dict) else tokens
+            secs = n / rates[str(arm)] * float(np.exp(noise.normal(0, 0.1)))
+            bandit.observe(arm, bucket, n, secs, steps=3)
             chosen.setdefault(bucket, []).append(str(arm))
     return chosen
 
@@ -65,7 +69,7 @@ def test_arm_parsing_and_shape_constraints():
 
 def test_untried_arms_first_in_order_without_randomness():
     for seed in (0, 1):
-        b = make_bandit(ARMS, epsilon=1.0, seed=seed)
+        b = make_bandit(ARMS, epsilon=1.0, seed=seed, transfer=False)
         assert [str(b.choose(4)) for _ in range(1)] == ["off"]
         firsts = []
         for _ in range(3):
@@ -74,8 +78,8 @@ def test_untried_arms_first_in_order_without_randomness():
             b.observe(arm, 4, 10, 1.0)
         assert firsts == ARMS  # whatever the seed and with epsilon = 1
         assert b.stats()["choices"][4]["untried"] == 4
-    # every bucket is its own bandit: a new bucket starts untried again
-    assert str(b.choose(2)) == "off"
+    # without transfer every bucket is its own bandit: a new bucket starts untried again
+    assert str(b.choose(2)) == "off" and b.stats()["choices"][2]["untried"] == 1
 
 
 def test_converges_to_the_best_arm_per_bucket():
@@ -93,27 +97,146 @@ def test_converges_to_the_best_arm_per_bucket():
     st = b.stats()
     assert st["best"] == {1: "eagle:8x4x48", 8: "off", 32: "eagle:4x2x12"}
     assert sum(st["steps"][1].values()) == 3 * 400
-    m = st["median_tokens_per_s"][1]["eagle:8x4x48"]
+    m = st["median_reward"][1]["eagle:8x4x48"]
     assert 250 < m < 350
     assert 100 < st["tokens_per_s"]["off"] < 900
 
 
 def test_explores_at_rate_epsilon():
+    """margin = 1 (every arm plausible) and no time share: the original BEG-MAB rate. Exploration draws never pick
+    the best arm (that would be exploitation)."""
     eps, n = 0.3, 2000
-    b = make_bandit(ARMS, epsilon=eps, window=10_000, seed=11)
+    b = make_bandit(ARMS, epsilon=eps, window=10_000, seed=11, margin=1.0, time_share=False)
     rates = {2: {"off": 100.0, "eagle:8x4x48": 200.0, "eagle:4x2x12": 50.0}}
     chosen = run(b, lambda t: rates, n)[2]
     c = b.stats()["choices"][2]
-    assert c["untried"] == 3 and c["explore"] + c["exploit"] == n - 3
+    assert c["untried"] == 3 and c["explore"] + c["exploit"] == n - 3 and c["declined"] == 0
     sd = np.sqrt(n * eps * (1 - eps))
     assert abs(c["explore"] - n * eps) < 4 * sd
-    # a uniform exploration draw lands on a non-best arm 2 times in 3
-    non_best = sum(a != "eagle:8x4x48" for a in chosen[3:])
-    p = eps * 2 / 3
-    assert abs(non_best - n * p) < 4 * np.sqrt(n * p * (1 - p))
+    assert sum(a != "eagle:8x4x48" for a in chosen[3:]) == c["explore"]
     # epsilon = 0: once every arm is tried, only the best is chosen
     g = make_bandit(ARMS, epsilon=0.0, window=10_000)
     assert set(run(g, lambda t: rates, 200)[2][3:]) == {"eagle:8x4x48"}
+
+
+def test_explores_only_plausible_arms():
+    """Default margin 0.1: off (within 5% of the best) is explored at rate epsilon, eagle:4x2x12 (half the best) never
+    after its first try (the window is longer than the run, so it never ages out)."""
+    eps, n = 0.2, 1500
+    rates = {2: {"off": 190.0, "eagle:8x4x48": 200.0, "eagle:4x2x12": 100.0}}
+    b = make_bandit(ARMS, epsilon=eps, window=10_000, seed=4, time_share=False)
+    chosen = run(b, lambda t: rates, n)[2]
+    c = b.stats()["choices"][2]
+    assert chosen.count("eagle:4x2x12") == 1 and c["untried"] == 3
+    assert chosen[3:].count("off") == c["explore"]
+    sd = np.sqrt(n * eps * (1 - eps))
+    assert abs(c["explore"] - n * eps) < 4 * sd
+    # nothing plausible: every exploration draw is declined (counted), none explores
+    far = {2: {"off": 100.0, "eagle:8x4x48": 200.0, "eagle:4x2x12": 50.0}}
+    d = make_bandit(ARMS, epsilon=eps, window=10_000, seed=4)
+    assert run(d, lambda t: far, n)[2][3:] == ["eagle:8x4x48"] * (n - 3)
+    cd = d.stats()["choices"][2]
+    assert cd["explore"] == 0 and abs(cd["declined"] - n * eps) < 4 * sd
+    # noise-free timings (no spread): margin 0 explores nothing slower than the best, margin 1 every arm
+    for margin, want in ((0.0, {"eagle:8x4x48"}), (0.1, {"eagle:8x4x48", "off"}), (1.0, set(ARMS))):
+        z = make_bandit(ARMS, epsilon=0.5, window=10_000, seed=4, margin=margin)
+        chosen = []
+        for _ in range(200):
+            a = z.choose(2)
+            chosen.append(str(a))
+            z.observe(a, 2, 64, 64 / rates[2][str(a)])
+        assert chosen[:3] == ARMS and set(chosen[3:]) == want, margin
+
+
+def test_time_share_bounds_exploration_time():
+    """Equal tokens/s, but eagle:8x4x48's round trips take 4x as long as off's: its exploration draws are kept with
+    probability 1/4, so exploring it takes about epsilon of the time, not 4x epsilon."""
+    arms = ["off", "eagle:8x4x48"]
+    rates = {8: {"off": 100.0, "eagle:8x4x48": 92.0}}
+    tokens = {"off": 50, "eagle:8x4x48": 200}
+    eps, n = 0.4, 1500
+    counts = {}
+    for share in (True, False):
+        b = make_bandit(arms, epsilon=eps, window=10_000, seed=2, time_share=share)
+        chosen = run(b, lambda t: rates, n, tokens=tokens)[8]
+        assert b.best(8) == parse_arm("off")
+        counts[share] = chosen[2:].count("eagle:8x4x48")
+    sd = np.sqrt(n * eps)
+    assert abs(counts[False] - n * eps) < 4 * sd
+    assert abs(counts[True] - n * eps / 4) < 4 * np.sqrt(n * eps / 4)
+
+
+def test_transfer_between_buckets():
+    """Bucket 8 measured every arm; bucket 4 then borrows relative speeds (not absolute ones): its first choice is
+    bucket 8's best, no forced tries, and the transferred estimates scale with what bucket 4 measures itself."""
+    b8 = {"off": 100.0, "eagle:8x4x48": 50.0, "eagle:4x2x12": 160.0}
+    b = make_bandit(ARMS, epsilon=0.0, window=50, seed=0)
+    run(b, lambda t: {8: b8}, 10)
+    first = b.choose(4)
+    assert str(first) == "eagle:4x2x12" and b.stats()["choices"][4] == dict(
+        untried=0, explore=0, exploit=1, declined=0, transferred=1
+    )
+    est = b.estimates(4)
+    assert {str(a): e.source for a, e in est.items()} == {a: 8 for a in ARMS}  # the empty bucket takes 8's medians
+    b.observe(first, 4, 80, 1.0)  # bucket 4 measures half bucket 8's speed
+    est = b.estimates(4)
+    assert est[first].source == 4 and est[first].count == 1 and est[first].rate == 80.0
+    off = est[parse_arm("off")]
+    assert off.transferred and off.source == 8 and off.rate == pytest.approx(80.0 * 100 / 160, rel=0.1)
+    chosen = run(b, lambda t: {4: {"off": 50.0, "eagle:8x4x48": 25.0, "eagle:4x2x12": 80.0}}, 30)[4]
+    assert chosen == ["eagle:4x2x12"] * 30  # the losing arms are never forced in bucket 4
+    assert b.stats()["transferred"][4] == {"off": 8, "eagle:8x4x48": 8}
+    # without transfer bucket 4 pays a forced try of every arm
+    n = make_bandit(ARMS, epsilon=0.0, window=50, seed=0, transfer=False)
+    run(n, lambda t: {8: b8}, 10)
+    assert run(n, lambda t: {4: {"off": 50.0, "eagle:8x4x48": 25.0, "eagle:4x2x12": 80.0}}, 3)[4] == ARMS
+
+
+def test_transfer_takes_the_nearest_fresh_measurement():
+    """Nearest by log distance (ties: the larger bucket), from measurements only (not from transferred estimates);
+    the margin compounds per octave; an arm measured only long ago (beyond the window of the whole bandit's
+    observations) transfers nothing, so it is tried again."""
+    e48 = parse_arm("eagle:8x4x48")
+    b = make_bandit(["off", "eagle:8x4x48"], epsilon=0.0, window=40, seed=0)
+    b.observe("off", 1, 10, 1.0)  # noise-free timings: eagle 3x off at batch 1
+    b.observe(e48, 1, 30, 1.0)
+    b.observe("off", 2, 20, 1.0)
+    assert b.estimates(2)[e48].source == 1 and b.estimates(2)[e48].rate == pytest.approx(60, rel=0.25)
+    b.observe("off", 16, 100, 1.0)
+    b.observe(e48, 16, 50, 1.0)  # eagle 0.5x off at batch 16
+    b.observe("off", 4, 40, 1.0)
+    e = b.estimates(4)[e48]  # 2 is nearest but only transferred eagle there; 1 and 16 tie at 2 octaves: 16
+    assert (e.source, e.distance, e.rate) == (16, 2.0, 20.0)
+    b.observe(e48, 2, 50, 1.0)  # now measured at 2 (2.5x off)
+    e = b.estimates(4)[e48]
+    assert (e.source, e.distance, e.rate) == (2, 1.0, 100.0)
+    # plausibility without noise: (1 - 0.1)^(1 + d) of the best's rate
+    assert b._windows.noise() == 0.0
+    best = b.estimates(4)[parse_arm("off")]
+    assert b._plausible(dataclasses.replace(e, rate=0.82 * best.rate), best)  # 0.9^2 = 0.81
+    assert not b._plausible(dataclasses.replace(e, rate=0.82 * best.rate, distance=0.0), best)
+    # staleness: bucket 1's eagle, 40 observations later (of off only, in bucket 16), no longer speaks for bucket 2
+    d = make_bandit(["off", "eagle:8x4x48"], epsilon=0.0, window=40, seed=0, table={16: ["off"]})
+    run(d, lambda t: {1: {"off": 10.0, "eagle:8x4x48": 30.0}}, 4)
+    d.observe("off", 2, 20, 1.0)
+    assert d.estimates(2)[e48].source == 1
+    run(d, lambda t: {16: {"off": 100.0}}, 40)
+    assert e48 not in d.estimates(2)
+    assert d.choose(2) == e48 and d.stats()["choices"][2]["untried"] == 1  # tried again
+
+
+def test_reward_is_per_live_row():
+    """A round trip's reward is tokens/s per live row (averaged over its steps): early in a wave (16 rows) and late
+    (9 rows, or rows finishing mid-trip) compare alike."""
+    b = make_bandit(["off", "eagle:8x4x48"], epsilon=0.0)
+    b.observe("off", 16, 1600, 1.0, steps=8, rows=16)  # 100 per row
+    b.observe("eagle:8x4x48", 16, 1080, 1.0, steps=4, rows=9)  # fewer tokens/s, but 120 per row
+    assert b.medians(16) == {parse_arm("off"): 100.0, parse_arm("eagle:8x4x48"): 120.0}
+    assert str(b.best(16)) == "eagle:8x4x48"
+    b.observe("off", 16, 60, 0.08, steps=8, rows=7.5)  # 8 rows, one finished after 4 of the 8 steps: 100 per row
+    assert b.medians(16)[parse_arm("off")] == 100.0
+    with pytest.raises(ValueError, match=r"rows must be the mean live rows over the round trip's steps, in \(0, 16\]"):
+        b.observe("off", 16, 10, 1.0, rows=17)
 
 
 def test_forgets_after_the_best_arm_changes():
@@ -152,8 +275,13 @@ def test_state_round_trip_through_json():
     a = Bandit(cfg)
     run(a, lambda t: rates, 70)
     state = json.loads(json.dumps(a.state_dict()))
+    assert state["version"] == 2 and state["seq"] == 140
+    assert all(len(o) == 4 and o[2] > 0 for o in state["observations"]["16"])  # [arm, reward, seconds, sequence]
     b = Bandit.from_state_dict(cfg, state)
     assert b.stats() == a.stats() and b.state_dict() == a.state_dict()
+    # what choose sees comes along: measured and transferred estimates (bucket 4 borrows from 16), the noise level
+    assert b.estimates(4) == a.estimates(4) and {e.source for e in a.estimates(4).values()} == {16}
+    assert b._windows.noise() == a._windows.noise() > 0
     # the same continuation on both: same choices (the generator state came along) and the same stats
     assert run(a, lambda t: rates, 50, noise_seed=9) == run(b, lambda t: rates, 50, noise_seed=9)
     assert b.stats() == a.stats()
@@ -164,6 +292,15 @@ def test_state_round_trip_through_json():
         Bandit.from_state_dict(BanditConfig(parse_arms(["off", "eagle:8x4x48"])), state)
     with pytest.raises(ValueError, match="version"):
         Bandit.from_state_dict(cfg, {**state, "version": 99})
+    # a version-1 checkpoint (observations [arm, reward], no times, three choice counters) still loads
+    v1 = {k: v for k, v in state.items() if k != "seq"}
+    v1["version"] = 1
+    v1["observations"] = {k: [o[:2] for o in obs] for k, obs in state["observations"].items()}
+    v1["choices"] = {k: {n: c[n] for n in ("untried", "explore", "exploit")} for k, c in state["choices"].items()}
+    old = Bandit.from_state_dict(cfg, v1)
+    assert old.medians(1) == Bandit.from_state_dict(cfg, state).medians(1)
+    assert all(e.seconds == 0.0 for e in old.estimates(1).values())  # unknown times: no time share
+    assert old.stats()["choices"][1]["declined"] == 0 and old.state_dict()["version"] == 2
 
 
 def test_table_restricts_buckets_and_reachable_set():
@@ -187,9 +324,28 @@ def test_table_restricts_buckets_and_reachable_set():
     assert all(not a.speculative for a, _ in cfg.reachable((1, 2), threshold=0))
     with pytest.raises(ValueError, match="not in arms"):
         BanditConfig(parse_arms(["off"]), table={2: ["eagle:8x4x48"]})
-    for kw, msg in (dict(epsilon=1.5), "epsilon"), (dict(window=0), "window"), (dict(seed=-1), "seed"):
+    bad = [
+        (dict(epsilon=1.5), "epsilon"),
+        (dict(window=0), "window"),
+        (dict(seed=-1), "seed"),
+        (dict(margin=1.5), r"BanditConfig.margin must be in \[0, 1\], got 1.5: .* \(e.g. 0.1; 1 explores every arm\)"),
+        (dict(margin=-0.1), r"BanditConfig.margin must be in \[0, 1\]"),
+        (dict(margin=True), r"BanditConfig.margin must be in \[0, 1\]"),
+        (dict(transfer="yes"), "BanditConfig.transfer must be True or False, got 'yes'"),
+        (dict(time_share=1), "BanditConfig.time_share must be True or False, got 1"),
+    ]
+    for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
             BanditConfig(parse_arms(["off"]), **kw)
+    # the engine's SpecConfig carries the knobs to the bandit, and its errors name SpecConfig's keys
+    spec = SpecConfig(arms=("off", "eagle:8x4x48"), margin=0.25, transfer=False, time_share=False)
+    assert (spec.bandit_config().margin, spec.bandit_config().transfer, spec.bandit_config().time_share) == (
+        0.25,
+        False,
+        False,
+    )
+    with pytest.raises(ValueError, match=r"SpecConfig.margin must be in \[0, 1\]"):
+        SpecConfig(arms=("off", "eagle:8x4x48"), margin=2.0)
 
 
 def test_observe_rejects_bad_reports():
@@ -200,6 +356,7 @@ def test_observe_rejects_bad_reports():
         (("off", 1, -1, 1.0), "tokens"),
         (("off", 1, 5, 0.0), "seconds"),
         (("off", 1, 5, float("nan")), "seconds"),
+        (("off", 4, 5, 1.0, 1, 0), "rows"),
     ):
         with pytest.raises(ValueError, match=msg):
             b.observe(*args)

@@ -53,9 +53,9 @@ def plain(model):
 
 @pytest.fixture(scope="module")
 def adaptive(model, drafter):
-    """epsilon = 1: after each arm's first try every chunk picks a random arm, so arms switch inside waves. Every
-    reachable (arm, bucket) is precompiled."""
-    spec = SpecConfig(arms=ARMS, epsilon=1.0, threshold=8, seed=1)
+    """epsilon = 1 and margin = 1 (every arm plausible): after each arm's first try every chunk picks a random arm
+    other than the best, so arms switch inside waves. Every reachable (arm, bucket) is precompiled."""
+    spec = SpecConfig(arms=ARMS, epsilon=1.0, margin=1.0, threshold=8, seed=1)
     return RolloutEngine(model, drafter=drafter, spec=spec, precompile=True, **KW)
 
 
@@ -92,7 +92,7 @@ def test_bandit_state_lives_across_calls_and_round_trips(adaptive, model, drafte
     assert second["bandit"]["choices"][8]["untried"] == 3  # arms tried in an earlier call are not tried again
     assert second["pool_this_call"]["compiles"] == 0  # precompiled: whatever the bandit picks (prefill: call 1)
     state = adaptive.state_dict()
-    spec = SpecConfig(arms=ARMS, epsilon=1.0, threshold=8, seed=1)
+    spec = SpecConfig(arms=ARMS, epsilon=1.0, margin=1.0, threshold=8, seed=1)
     other = RolloutEngine(model, drafter=drafter, spec=spec, **KW)
     other.load_state_dict(state)
     assert other.state_dict() == state
@@ -134,6 +134,8 @@ def test_adaptive_arguments_are_validated(model, drafter):
         (dict(arms=("off", "off")), "listed twice"),
         (dict(arms=ARMS, epsilon=2.0), "epsilon"),
         (dict(arms=ARMS, window=0), "window"),
+        (dict(arms=ARMS, margin=1.5), r"SpecConfig.margin must be in \[0, 1\]"),
+        (dict(arms=ARMS, transfer=None), "SpecConfig.transfer must be True or False"),
         (dict(patience=-1), "patience"),
     ]:
         with pytest.raises(ValueError, match=match):
@@ -151,7 +153,7 @@ def test_first_two_tokens_chi_square_with_random_arms():
     m = CausalLM(cfg, rngs=nnx.Rngs(2))
     m.lm_head[...] = m.lm_head[...] * 12.0  # spread the distributions
     prompt = [1, 2, 3]
-    spec = SpecConfig(arms=("off", "ngram:2x2x4", "eagle:2x2x4"), epsilon=1.0, threshold=64, seed=4)
+    spec = SpecConfig(arms=("off", "ngram:2x2x4", "eagle:2x2x4"), epsilon=1.0, margin=1.0, threshold=64, seed=4)
     eng = RolloutEngine(
         m,
         drafter=EagleDrafter(cfg, rngs=nnx.Rngs(5)),

@@ -3,6 +3,7 @@ bucket from measured tokens/s, the hysteresis gate that switches speculation on,
 
 from tlt_jax.adaptive.arms import Arm, max_verify_tokens, parse_arm, parse_arms
 from tlt_jax.adaptive.bandit import Bandit, BanditConfig, make_bandit
+from tlt_jax.adaptive.estimates import Estimate
 from tlt_jax.adaptive.gate import SpecGate
 from tlt_jax.adaptive.sync import agreed_seconds
 
@@ -10,6 +11,7 @@ __all__ = [
     "Arm",
     "Bandit",
     "BanditConfig",
+    "Estimate",
     "SpecGate",
     "agreed_seconds",
     "make_bandit",

@@ -1,18 +1,28 @@
 """BEG-MAB: a bucketed epsilon-greedy bandit choosing the speculation arm for each batch-size bucket.
 
 One bandit per batch bucket (the engine's compiled batch buckets; a ``table`` may restrict a bucket to some arms). The
-reward of an arm is the tokens per second of its steps, reported by the engine once per host round trip as
-(arm, bucket, tokens, seconds). Choosing an arm for a bucket:
+engine reports every host round trip as (arm, bucket, tokens, seconds, steps, live rows averaged over its steps); the
+reward is tokens per second per live row (a bucket's compiled step costs the same whatever its live rows, so per row
+the arms compare alike early and late in a wave, and a row finishing mid-trip counts only for the steps it ran).
+Each bucket keeps its last ``window`` observations over all its arms; an arm's estimate there is the median reward of
+its observations in the window, or, if it has none, an estimate transferred from the nearest bucket that measured it
+together with an arm this bucket measured (relative speed carries over, absolute speed does not;
+``tlt_jax.adaptive.estimates``). Choosing an arm for a bucket:
 
-1. arms with no observation in the bucket's window are tried first, in the configured order (no randomness);
-2. otherwise, with probability ``epsilon`` a uniformly random arm of the bucket (exploration), else the arm with the
-   highest median reward over its observations in the window (ties: the earlier arm).
+1. arms of which nothing is known (no estimate, measured or transferred) are tried first, in the configured order;
+2. otherwise the best estimate is exploited, except that with probability ``epsilon`` an exploration draw picks one of
+   the *plausible* other arms: those not clearly worse than the best, i.e. whose estimate is at least ``(1 - margin)``
+   times the best's once the noise of few observations is allowed for (``margin=1``: every arm, as the original
+   BEG-MAB; an estimate transferred from d octaves away must reach ``(1 - margin)^(1 + d)``; see ``_plausible``).
+   With ``time_share`` the draw is kept with probability min(1, best's round-trip seconds / the drawn arm's), so
+   exploration takes at most about ``epsilon`` of the bucket's *time* even when the explored arm's round trips are
+   longer than the best arm's (a verify round trip at a large batch).
 
-The window is the bucket's last ``window`` observations over all its arms. An arm the bandit stops choosing therefore
-ages out of the window and is tried again: after the best arm changes (a drafter that improved, a different
-temperature) every stale estimate is gone within ``window`` observations. Randomness comes from a seeded PCG64
-generator drawn only at step 2, so the decisions are a function of the seed and the reported numbers; in several
-processes every process must report the same numbers (``tlt_jax.adaptive.sync.agreed_seconds``).
+A clearly losing arm is therefore not explored; it is measured again once its observations leave the bucket's window
+(and no fresh neighbour speaks for it): after the best arm changes (a drafter that improved, a different temperature)
+every stale estimate is gone within about ``window`` observations. Randomness comes from a seeded PCG64 generator drawn
+only at step 2, so the decisions are a function of the seed and the reported numbers; in several processes every
+process must report the same numbers (``tlt_jax.adaptive.sync.agreed_seconds``).
 
 The state (observations, generator, counters) round-trips through ``state_dict`` / ``load_state_dict`` as JSON values,
 so it lives in checkpoints and carries across generate calls.
@@ -20,30 +30,36 @@ so it lives in checkpoints and carries across generate calls.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from tlt_jax.adaptive.arms import Arm, parse_arm, parse_arms
+from tlt_jax.adaptive.estimates import Estimate, Windows
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class BanditConfig:
     """arms: the candidate arms (strings or Arms; "off" = plain decoding is an arm like any other). epsilon:
     exploration probability. window: observations per bucket the medians are taken over. seed: of the exploration
-    generator. table: optional {bucket: arms} restricting a batch bucket to a subset of ``arms`` (other buckets use
-    all arms; a bucket with one arm never explores)."""
+    generator. margin: explore only arms estimated within this fraction of the best (0 = only ties, 1 = every arm).
+    transfer: estimate arms a bucket has not measured from the nearest bucket that did. time_share: epsilon bounds the
+    share of time spent exploring, not of round trips. table: optional {bucket: arms} restricting a batch bucket to a
+    subset of ``arms`` (other buckets use all arms; a bucket with one arm never explores)."""
 
     arms: tuple[Arm, ...]
     epsilon: float = 0.1
     window: int = 300
     seed: int = 0
     table: tuple[tuple[int, tuple[Arm, ...]], ...] = ()
+    margin: float = 0.1
+    transfer: bool = True
+    time_share: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "arms", parse_arms(self.arms))
@@ -68,6 +84,14 @@ class BanditConfig:
             raise ValueError(f"BanditConfig.window must be an integer >= 1, got {self.window}")
         if int(self.seed) != self.seed or self.seed < 0:
             raise ValueError(f"BanditConfig.seed must be an integer >= 0, got {self.seed}")
+        if isinstance(self.margin, bool) or not 0.0 <= float(self.margin) <= 1.0:
+            raise ValueError(
+                f"BanditConfig.margin must be in [0, 1], got {self.margin!r}: the fraction below the best arm's "
+                "reward within which arms are still explored (e.g. 0.1; 1 explores every arm)"
+            )
+        for name in ("transfer", "time_share"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BanditConfig.{name} must be True or False, got {getattr(self, name)!r}")
 
     def arms_for(self, bucket: int) -> tuple[Arm, ...]:
         """The arms the bandit chooses from in this batch bucket."""
@@ -93,20 +117,23 @@ class BanditConfig:
 
 class Bandit:
     """The per-bucket epsilon-greedy bandit over ``config.arms``. ``choose(bucket)`` → Arm; ``observe(arm, bucket,
-    tokens, seconds, steps)`` after each round trip that ran the arm; ``stats()`` for the metrics."""
+    tokens, seconds, steps, rows)`` after each round trip that ran the arm; ``estimates(bucket)`` what a choice sees;
+    ``stats()`` for the metrics."""
+
+    NOISE_Z = 2.0  # standard errors of allowance in ``_plausible``
 
     def __init__(self, config: BanditConfig):
         self.config = config
         self._index = {a: i for i, a in enumerate(config.arms)}
         self._rng = np.random.Generator(np.random.PCG64(config.seed))
-        # bucket -> arm indices of the bucket's last `window` observations (oldest first), and per arm their tokens/s
-        self._order: dict[int, collections.deque] = {}
-        self._rates: dict[int, list[collections.deque]] = {}
-        self._median_cache: dict[int, dict[int, float]] = {}
+        self._windows = Windows(config.window, len(config.arms))
         self._tokens = np.zeros(len(config.arms), np.int64)
         self._seconds = np.zeros(len(config.arms), np.float64)
         self._steps: dict[int, dict[int, int]] = {}
-        self._choices: dict[int, dict[str, int]] = {}  # bucket -> {"untried" | "explore" | "exploit": count}
+        # bucket -> counts: untried + explore + exploit = choices; declined (exploration draws that exploited: no
+        # plausible arm, or the time share said no) and transferred (exploited an estimate from another bucket) are
+        # parts of exploit
+        self._choices: dict[int, dict[str, int]] = {}
         self._best: dict[int, int] = {}
         self._best_changes: dict[int, int] = {}
 
@@ -116,24 +143,40 @@ class Bandit:
         """The arm to run next in this batch bucket (see the module docstring for the rule)."""
         bucket = self._bucket(bucket)
         arms = self.config.arms_for(bucket)
-        counts = self._choices.setdefault(bucket, dict(untried=0, explore=0, exploit=0))
+        counts = self._choices.setdefault(bucket, _counts())
         if len(arms) == 1:
             counts["exploit"] += 1
             return arms[0]
-        med = self._medians(bucket)
+        est = self._estimates(bucket, arms)
         for a in arms:
-            if self._index[a] not in med:
+            if self._index[a] not in est:
                 counts["untried"] += 1
                 return a
-        if self._rng.random() < self.config.epsilon:
-            counts["explore"] += 1
-            return arms[int(self._rng.integers(len(arms)))]
+        best = self._argmax(arms, est)
+        eb = est[self._index[best]]
+        u = self._rng.random()
+        if u < self.config.epsilon:
+            plausible = [a for a in arms if a != best and self._plausible(est[self._index[a]], eb)]
+            if plausible:
+                pick = plausible[int(self._rng.integers(len(plausible)))]
+                keep = 1.0
+                ep = est[self._index[pick]]
+                if self.config.time_share and eb.seconds > 0 and ep.seconds > 0:
+                    keep = min(1.0, eb.seconds / ep.seconds)
+                if u < self.config.epsilon * keep:
+                    counts["explore"] += 1
+                    return pick
+            counts["declined"] += 1
         counts["exploit"] += 1
-        return self._argmax(arms, med)
+        counts["transferred"] += int(eb.transferred)
+        return best
 
-    def observe(self, arm: Arm | str, bucket: int, tokens: int, seconds: float, steps: int = 1) -> None:
+    def observe(
+        self, arm: Arm | str, bucket: int, tokens: int, seconds: float, steps: int = 1, rows: float = 1.0
+    ) -> None:
         """Record one round trip of ``arm`` in ``bucket``: ``tokens`` emitted in ``seconds`` over ``steps`` decode or
-        verify steps."""
+        verify steps, ``rows`` live rows on average over those steps (the live row-steps / steps; a row that finishes
+        mid-trip counts for the steps it ran). The reward is tokens/s per live row (see the module docstring)."""
         arm, bucket = parse_arm(arm), self._bucket(bucket)
         if arm not in self._index:
             raise ValueError(
@@ -143,10 +186,14 @@ class Bandit:
             raise ValueError(f"observe: tokens must be an integer >= 0, got {tokens}")
         if int(steps) != steps or steps < 0:
             raise ValueError(f"observe: steps must be an integer >= 0, got {steps}")
+        if not np.isfinite(rows) or not 0 < rows <= bucket:
+            raise ValueError(
+                f"observe: rows must be the mean live rows over the round trip's steps, in (0, {bucket}], got {rows}"
+            )
         if not np.isfinite(seconds) or seconds <= 0:
             raise ValueError(f"observe: seconds must be a finite time > 0, got {seconds} (time the round trip itself)")
         i = self._index[arm]
-        self._append(bucket, i, float(tokens) / float(seconds))
+        self._windows.add(bucket, i, float(tokens) / float(seconds) / float(rows), float(seconds))
         self._tokens[i] += int(tokens)
         self._seconds[i] += float(seconds)
         per = self._steps.setdefault(bucket, {})
@@ -154,41 +201,42 @@ class Bandit:
         self._track_best(bucket)
 
     def best(self, bucket: int) -> Arm | None:
-        """The arm with the highest median reward in the bucket's window (None before any observation)."""
+        """The arm with the highest median reward measured in the bucket's window (None before any observation)."""
         bucket = self._bucket(bucket)
-        med = self._medians(bucket)
+        med = self._windows.measured(bucket)
         arms = [a for a in self.config.arms_for(bucket) if self._index[a] in med]
         return self._argmax(arms, med) if arms else None
 
     def medians(self, bucket: int) -> dict[Arm, float]:
-        """Median tokens/s per arm over the bucket's window (arms with observations only)."""
-        med = self._medians(self._bucket(bucket))
-        return {self.config.arms[i]: v for i, v in sorted(med.items())}
+        """Median reward (tokens/s per live row) per arm over the bucket's window (arms with observations only)."""
+        med = self._windows.measured(self._bucket(bucket))
+        return {self.config.arms[i]: e.rate for i, e in sorted(med.items())}
 
-    def _append(self, bucket: int, i: int, rate: float) -> None:
-        order = self._order.setdefault(bucket, collections.deque())
-        rates = self._rates.setdefault(bucket, [collections.deque() for _ in self.config.arms])
-        order.append(i)
-        rates[i].append(rate)
-        while len(order) > self.config.window:  # the oldest observation of the bucket leaves its arm's window
-            rates[order.popleft()].popleft()
-        self._median_cache.pop(bucket, None)
+    def estimates(self, bucket: int) -> dict[Arm, Estimate]:
+        """What ``choose`` sees in the bucket: per arm of the bucket with anything known, its measured or transferred
+        estimate (``Estimate.source`` names the bucket it comes from)."""
+        bucket = self._bucket(bucket)
+        est = self._estimates(bucket, self.config.arms_for(bucket))
+        return {self.config.arms[i]: e for i, e in sorted(est.items())}
 
-    def _medians(self, bucket: int) -> dict[int, float]:
-        med = self._median_cache.get(bucket)
-        if med is None:
-            rates = self._rates.get(bucket, ())
-            med = {i: float(np.median(np.fromiter(r, float, len(r)))) for i, r in enumerate(rates) if r}
-            self._median_cache[bucket] = med
-        return med
+    def _estimates(self, bucket: int, arms: Sequence[Arm]) -> dict[int, Estimate]:
+        return self._windows.estimates(bucket, [self._index[a] for a in arms], self.config.transfer)
 
-    def _window(self, bucket: int) -> list[tuple[int, float]]:
-        """The bucket's window as (arm index, tokens/s), oldest first."""
-        rates = [iter(r) for r in self._rates.get(bucket, ())]
-        return [(i, next(rates[i])) for i in self._order.get(bucket, ())]
+    def _plausible(self, e: Estimate, best: Estimate) -> bool:
+        """Not clearly worse than the best: ln(best / e) <= -ln(1 - margin) * (1 + distance) + 2 * noise *
+        sqrt(1/n_e + 1/n_best). A transferred estimate (distance in octaves of batch size) is an extrapolation, so its
+        margin compounds once per octave; a median of few observations may be off by their noise, so an arm is not
+        ruled out on one unlucky round trip."""
+        if self.config.margin >= 1.0 or e.rate >= best.rate:
+            return True
+        if e.rate <= 0:
+            return False
+        slack = -math.log1p(-self.config.margin) * (1.0 + e.distance)
+        slack += self.NOISE_Z * self._windows.noise() * math.sqrt(1.0 / max(e.count, 1) + 1.0 / max(best.count, 1))
+        return math.log(best.rate / e.rate) <= slack
 
-    def _argmax(self, arms: Sequence[Arm], med: dict[int, float]) -> Arm:
-        return max(arms, key=lambda a: (med[self._index[a]], -self._index[a]))
+    def _argmax(self, arms: Sequence[Arm], est: Mapping[int, Estimate]) -> Arm:
+        return max(arms, key=lambda a: (est[self._index[a]].rate, -self._index[a]))
 
     def _track_best(self, bucket: int) -> None:
         best = self.best(bucket)
@@ -209,24 +257,34 @@ class Bandit:
 
     def stats(self) -> dict[str, Any]:
         """steps: {bucket: {arm: steps}}; tokens_per_s: {arm: tokens / seconds over every observation};
-        median_tokens_per_s: {bucket: {arm: window median}}; best: {bucket: arm}; choices: {bucket: {untried,
-        explore, exploit}}; best_changes: {bucket: times the best arm changed}. Arms as strings."""
+        median_reward: {bucket: {arm: window median of tokens/s per live row}}; best: {bucket: arm}; choices:
+        {bucket: {untried, explore, exploit, declined, transferred}}; best_changes: {bucket: times the best arm
+        changed}; transferred: {bucket: {arm: the bucket its estimate comes from}} for arms known there only by
+        transfer. Arms as strings."""
         names = [str(a) for a in self.config.arms]
+        buckets = sorted(self._windows.obs)
+        transferred = {}
+        for b in buckets:
+            t = {str(a): e.source for a, e in self.estimates(b).items() if e.transferred}
+            if t:
+                transferred[b] = t
         return dict(
             steps={b: {names[i]: s for i, s in sorted(per.items())} for b, per in sorted(self._steps.items())},
             tokens_per_s={
                 names[i]: float(self._tokens[i] / self._seconds[i]) for i in range(len(names)) if self._seconds[i] > 0
             },
-            median_tokens_per_s={b: {str(a): v for a, v in self.medians(b).items()} for b in sorted(self._order)},
+            median_reward={b: {str(a): v for a, v in self.medians(b).items()} for b in buckets},
             best={b: names[i] for b, i in sorted(self._best.items())},
             choices={b: dict(c) for b, c in sorted(self._choices.items())},
             best_changes=dict(sorted(self._best_changes.items())),
+            transferred=transferred,
         )
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state (bucket keys as strings, the generator's 128-bit words as decimal strings)."""
+        """JSON-serialisable state (bucket keys as strings, the generator's 128-bit words as decimal strings;
+        observations as [arm, reward, seconds, sequence number], oldest first)."""
         names = [str(a) for a in self.config.arms]
         g = self._rng.bit_generator.state
         return dict(
@@ -238,7 +296,11 @@ class Bandit:
                 has_uint32=int(g["has_uint32"]),
                 uinteger=int(g["uinteger"]),
             ),
-            observations={str(b): [[names[i], r] for i, r in self._window(b)] for b in sorted(self._order)},
+            seq=self._windows.seq,
+            observations={
+                str(b): [[names[i], r, s, q] for i, r, s, q in self._windows.entries(b)]
+                for b in sorted(self._windows.obs)
+            },
             tokens=self._tokens.tolist(),
             seconds=self._seconds.tolist(),
             steps={str(b): {names[i]: s for i, s in per.items()} for b, per in sorted(self._steps.items())},
@@ -248,12 +310,14 @@ class Bandit:
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore ``state_dict()`` output. The saved arms must be the configured arms (same order): a checkpoint of
-        another arm set would mis-assign the counters. A smaller window keeps each bucket's newest observations."""
-        if state.get("version") != STATE_VERSION:
+        """Restore ``state_dict()`` output (version 1 states, which kept no round-trip seconds, load too: their
+        observations count as measured in order, with unknown times). The saved arms must be the configured arms
+        (same order): a checkpoint of another arm set would mis-assign the counters. A smaller window keeps each
+        bucket's newest observations."""
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
             raise ValueError(
-                f"bandit state version {state.get('version')!r} is not {STATE_VERSION}; it is from "
-                "another tlt_jax version"
+                f"bandit state version {version!r} is not {STATE_VERSION} (or 1); it is from another tlt_jax version"
             )
         names = [str(a) for a in self.config.arms]
         saved = [str(parse_arm(a)) for a in state["arms"]]
@@ -270,14 +334,19 @@ class Bandit:
             has_uint32=int(r["has_uint32"]),
             uinteger=int(r["uinteger"]),
         )
-        self._order, self._rates, self._median_cache = {}, {}, {}
+        self._windows = Windows(self.config.window, len(self.config.arms))
         for b, window in state["observations"].items():
-            for a, v in window:
-                self._append(int(b), idx[a], float(v))
+            for obs in window:
+                if version == 1:
+                    self._windows.add(int(b), idx[obs[0]], float(obs[1]), 0.0)
+                else:
+                    a, rate, secs, seq = obs
+                    self._windows.add(int(b), idx[a], float(rate), float(secs), int(seq))
+        self._windows.seq = max(self._windows.seq, int(state.get("seq", 0)))
         self._tokens = np.asarray(state["tokens"], np.int64).reshape(len(names))
         self._seconds = np.asarray(state["seconds"], np.float64).reshape(len(names))
         self._steps = {int(b): {idx[a]: int(s) for a, s in per.items()} for b, per in state["steps"].items()}
-        self._choices = {int(b): {k: int(v) for k, v in c.items()} for b, c in state["choices"].items()}
+        self._choices = {int(b): _counts(**{k: int(v) for k, v in c.items()}) for b, c in state["choices"].items()}
         self._best = {int(b): idx[a] for b, a in state["best"].items()}
         self._best_changes = {int(b): int(n) for b, n in state["best_changes"].items()}
 
@@ -286,6 +355,10 @@ class Bandit:
         bandit = cls(config)
         bandit.load_state_dict(state)
         return bandit
+
+
+def _counts(**kw: int) -> dict[str, int]:
+    return dict(dict(untried=0, explore=0, exploit=0, declined=0, transferred=0), **kw)
 
 
 def make_bandit(arms: Iterable[str | Arm] | str, **kwargs) -> Bandit:

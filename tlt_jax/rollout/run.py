@@ -170,7 +170,8 @@ class GenerateRun:
                 )
             self.steps += chunk["steps"]
             if e.bandit is not None:  # every process feeds the same numbers: tokens are replicated, seconds agreed
-                e.bandit.observe(arm, b, tokens, agreed_seconds(dt), chunk["steps"])
+                rows = chunk.get("row_verifies", tokens) / max(chunk["steps"], 1)  # live rows per step (plain: 1 token)
+                e.bandit.observe(arm, b, tokens, agreed_seconds(dt), chunk["steps"], rows=rows)
             self._keep_tokens(info, ngen, slots)
             self.chunks.append(chunk)
         self._harvest(state, slots >= 0, slots, info.num_generated)

@@ -46,9 +46,12 @@ class SpecConfig:
     patience: chunks the live rows must stay at or under the threshold before speculation turns on (hysteresis).
 
     Adaptive (issue 17): ``arms`` (e.g. ("off", "ngram:4x2x8", "eagle:5x1x6")) lets a per-batch-bucket BEG-MAB
-    bandit (``tlt_jax.adaptive.Bandit``: untried arms first, then epsilon-greedy on the sliding-window median tokens/s
-    over ``window`` round trips, exploration seeded by ``seed``) choose the arm of every chunk the gate lets
-    speculate; depth / topk / verify_tokens are then unused. Without arms the engine runs the one tree shape above.
+    bandit (``tlt_jax.adaptive.Bandit``: arms nothing is known of first, then epsilon-greedy on the sliding-window
+    median tokens/s per live row over ``window`` round trips, exploration seeded by ``seed``) choose the arm of every
+    chunk the gate lets speculate; depth / topk / verify_tokens are then unused. ``margin``: exploration only among
+    arms estimated within this fraction of the best; ``transfer``: a bucket borrows relative speeds from the nearest
+    bucket for arms it has not measured; ``time_share``: epsilon bounds the share of time spent exploring
+    (``tlt_jax.adaptive.BanditConfig``). Without arms the engine runs the one tree shape above.
     """
 
     depth: int = 8
@@ -61,13 +64,19 @@ class SpecConfig:
     epsilon: float = 0.1
     window: int = 300
     seed: int = 0
+    margin: float = 0.1
+    transfer: bool = True
+    time_share: bool = True
 
     def __post_init__(self):
         if int(self.patience) != self.patience or self.patience < 0:
             raise ValueError(f"SpecConfig.patience must be an integer >= 0 (chunks to wait), got {self.patience}")
         if self.arms:
             object.__setattr__(self, "arms", parse_arms(self.arms))
-            self.bandit_config()  # validates epsilon / window / seed with the bandit's own messages
+            try:  # epsilon / window / seed / margin / ..., with the bandit's messages naming this config's keys
+                self.bandit_config()
+            except ValueError as e:
+                raise ValueError(str(e).replace("BanditConfig.", "SpecConfig.")) from None
         for name in ("depth", "topk", "steps_per_call"):
             v = getattr(self, name)
             if int(v) != v or v < 1:
@@ -99,7 +108,15 @@ class SpecConfig:
 
     def bandit_config(self) -> BanditConfig:
         """The bandit over ``arms`` (adaptive configs only)."""
-        return BanditConfig(self.arms, epsilon=self.epsilon, window=self.window, seed=self.seed)
+        return BanditConfig(
+            self.arms,
+            epsilon=self.epsilon,
+            window=self.window,
+            seed=self.seed,
+            margin=self.margin,
+            transfer=self.transfer,
+            time_share=self.time_share,
+        )
 
     def engine_arms(self, kind: str | None) -> tuple[Arm, ...]:
         """The arms an engine with this drafter kind runs: ``arms``, or "off" + the one tree shape of ``kind``."""
