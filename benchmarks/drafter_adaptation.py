@@ -1,15 +1,16 @@
 """Static vs adaptive EAGLE drafter while the policy drifts (TLT's adaptive drafter, issue 16).
 
-Runs the main job twice on configs/gsm8k.py (SmolLM2-135M-Instruct) from the committed warmed-up drafter (shipped
-in the package: rollout.drafter_path="eagle-smollm2-gsm"), with a policy learning rate high enough that the policy
-drifts away from
-what the drafter was warmed up on: once with the drafter fixed (``drafter.online=False``) and once training it online
-(``drafter.online=True``, ``rollout.num_slices`` slices). Speculative decoding is lossless, so both runs sample the
-same tokens (checked: identical rewards per step) and the accept lengths compare on the same rollouts. Writes
-benchmarks/results/drafter_adaptation.json and the adaptive run's plots (timeline.png: one step's slices busy /
-idle / training) under the adaptive run's workdir.
+Runs the main job twice on configs/gsm8k.py (SmolLM2-135M-Instruct, small additions at temperature 0.7) from the
+committed warmed-up drafter (shipped in the package: rollout.drafter_path="eagle-smollm2-gsm", warmed up on greedy
+GSM-style responses), with a policy learning rate high enough that the policy drifts: once with the drafter fixed
+(``drafter.online=False``) and once training it online (``drafter.online=True``; ``rollout.num_slices`` slices,
+``drafter.steps_without_idle`` steps after each rollout). Both runs decode with the same fixed tree (``--tree``, from
+the first chunk: 8 rows are under the switch threshold), so accept lengths compare like for like; speculative
+decoding is lossless, so both runs sample the same tokens (checked: identical rewards per step). Writes
+benchmarks/results/drafter_adaptation.json; the adaptive run's workdir keeps its plots (timeline.png: one step's
+slices busy / idle / training).
 
-    python benchmarks/drafter_adaptation.py --steps 6 --lr 1e-4
+    python benchmarks/drafter_adaptation.py --steps 8 --lr 2e-5
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ RESULTS = REPO / "benchmarks" / "results" / "drafter_adaptation.json"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--lr", type=float, default=1e-4, help="policy learning rate (high: the policy drifts)")
-    ap.add_argument("--drafter_lr", type=float, default=3e-4)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-5, help="policy learning rate (high: the policy drifts)")
+    ap.add_argument("--drafter_lr", type=float, default=1e-3)
     ap.add_argument("--slices", type=int, default=1, help="rollout.num_slices (needs that many devices)")
-    ap.add_argument("--steps_without_idle", type=int, default=8)
-    ap.add_argument("--max_new_tokens", type=int, default=128)
+    ap.add_argument("--steps_without_idle", type=int, default=16)
+    ap.add_argument("--tree", default="5x1x6", help="EAGLE tree of both runs (depth x topk x verify tokens)")
+    ap.add_argument("--max_new_tokens", type=int, default=256)
     ap.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
     args = ap.parse_args()
 
@@ -50,12 +52,17 @@ def main() -> None:
 
     _enable_compilation_cache()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="drafter_adaptation-"))
+    depth, topk, verify = (int(x) for x in args.tree.split("x"))
     common = {
         "train.num_steps": args.steps,
         "optim.lr": args.lr,
         "optim.warmup_steps": 0,
         "rollout.max_new_tokens": args.max_new_tokens,
         "rollout.speculative": "eagle",
+        "rollout.spec_arms": "",
+        "rollout.spec_depth": depth,
+        "rollout.spec_topk": topk,
+        "rollout.spec_verify_tokens": verify,
         "rollout.drafter_path": str(DRAFTER),
         "data.eval_size": 4,
         "eval.batch_size": 4,
@@ -64,13 +71,12 @@ def main() -> None:
         "metrics.tensorboard": False,
     }
     modes = {
-        "static": {},
+        "static": {"drafter.online": False},
         "adaptive": {
             "drafter.online": True,
             "drafter.lr": args.drafter_lr,
             "drafter.steps_without_idle": args.steps_without_idle,
             "rollout.num_slices": args.slices,
-            "drafter.rows": 1,
         },
     }
     out: dict = {"args": vars(args), "modes": {}}
@@ -86,11 +92,15 @@ def main() -> None:
             "rollout_s": [r["time/rollout_s"] for r in rows],
             "drafter_train_s": [r.get("controller/train_s", 0.0) for r in rows],
             "drafter_steps": [r.get("drafter/steps", 0.0) for r in rows],
+            "drafter_heldout_top1": [r.get("drafter/top1") for r in rows],
+            "kl_to_start": [r.get("train/kl_loss") for r in rows],
             "wall_s": time.perf_counter() - t0,
         }
     s, a = out["modes"]["static"], out["modes"]["adaptive"]
     out["same_rollouts"] = s["reward_mean"] == a["reward_mean"]
     out["ratio_last"] = a["accept_length"][-1] / s["accept_length"][-1]
+    half = len(s["accept_length"]) // 2  # after the drift: the second half of the run
+    out["ratio_second_half"] = (sum(a["accept_length"][half:]) / sum(s["accept_length"][half:]))
     out["plots"] = os.path.join(root, "adaptive", "plots")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
@@ -98,7 +108,8 @@ def main() -> None:
         print(f"step {k + 1}: accept static {s['accept_length'][k]:.2f} adaptive {a['accept_length'][k]:.2f}  "
               f"reward {s['reward_mean'][k]:.3f} / {a['reward_mean'][k]:.3f}  "
               f"drafter {a['drafter_steps'][k]:.0f} steps {a['drafter_train_s'][k]:.1f} s of {a['step_s'][k]:.1f} s")
-    print(f"same rollouts: {out['same_rollouts']}; last-step ratio {out['ratio_last']:.2f}; plots {out['plots']}")
+    print(f"same rollouts: {out['same_rollouts']}; adaptive / static accept: last step {out['ratio_last']:.2f}, "
+          f"second half {out['ratio_second_half']:.2f}; plots {out['plots']}")
 
 
 if __name__ == "__main__":

@@ -45,10 +45,12 @@ def get_config():
     c.drafter.window = 256  # whole responses (up to max_new_tokens) go to the drafter's data buffer
     c.drafter.rows = 4
     c.drafter.row_len = 256
-    c.reward.format_weight = 0.5
     c.rl.micro_batch_size = 4
-    c.optim.lr = 1e-5
+    c.optim.lr = 2e-5
+    c.rl.kl_coef = 0.0  # no reference forward pass (as Dr. GRPO / DAPO); TLT's recipe uses 0.001
     c.eval.batch_size = 32
-    c.checkpoint.every_steps = 5
-    c.train.num_steps = 10
+    c.checkpoint.every_steps = 4
+    c.train.num_steps = 12
+    c.eval.at_start = True
+    c.eval.every_steps = 4
     return c

@@ -65,7 +65,7 @@ def test_shipped_drafter_and_adaptive_online_config():
     assert resolve_drafter_path("/some/dir") == "/some/dir"
     cfg = _cfg("gsm8k.py")  # the default run: adaptive arms with eagle, the shipped drafter, online training
     assert cfg.rollout.speculative == "adaptive" and cfg.drafter.online and cfg.rollout.needs_eagle
-    assert cfg.data.source == "arithmetic" and cfg.reward.format_weight > 0
+    assert cfg.data.source == "arithmetic" and cfg.rl.kl_coef == 0 and cfg.eval.every_steps > 0
     with pytest.raises(ConfigError, match=r"drafter_path.*neither a directory nor a shipped drafter.*eagle-smollm2"):
         _cfg("gsm8k.py", "--config.rollout.drafter_path=no-such-drafter")
     with pytest.raises(ConfigError, match=r"drafter.online.*spec_arms='off,ngram:3x2x6' drafts with none"):
@@ -75,6 +75,7 @@ def test_shipped_drafter_and_adaptive_online_config():
     _cfg("gsm8k.py", "--config.rollout.drafter_path=")  # online: a fresh drafter
     with pytest.raises(ConfigError, match=r"reward.format_weight.*must be >= 0"):
         _cfg("gsm8k.py", "--config.reward.format_weight=-0.5")
+    assert _cfg("gsm8k.py", "--config.reward.format_weight=0.5").reward.format_weight == 0.5
 
 
 def test_console_names_the_arm_the_bandit_ran_most():

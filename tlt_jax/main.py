@@ -218,6 +218,9 @@ def run(cfg, workdir: str) -> dict[str, float]:
                 write_plots(workdir)
             progress.end_step()
             table.print(dict(metrics, step=step), write=progress.write)
+            if "eval/accuracy" in metrics:
+                progress.write(f"eval at step {step}: accuracy {metrics['eval/accuracy']:.3f} on {len(data.eval)} "
+                               "held-out prompts")
             consecutive = consecutive + 1 if metrics["train/nonfinite_step"] else 0
             if consecutive >= cfg.train.max_nonfinite_steps:
                 ckpt.wait()

@@ -14,7 +14,7 @@ DEFAULT_INSTRUCTION = (
 
 # The arithmetic source's instruction: a plain closing sentence that a 135M model already writes ~40 % of the time
 # (a format it can learn to give every time; see the format reward in tlt_jax.rewards).
-ANSWER_IS_INSTRUCTION = "Solve the problem. End your reply with the sentence 'The answer is N.' where N is a number."
+ANSWER_IS_INSTRUCTION = "Think step by step. End your reply with the sentence 'The answer is N.' where N is a number."
 
 ChatTemplate = Callable[[list[dict]], str]
 

@@ -46,13 +46,16 @@ def _series(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [float(p[1]) for p in pts]
 
 
-def _plot_reward(plt, rows, path) -> bool:
+def _plot_reward(plt, rows, evals, path) -> bool:
     keys = [k for k in ("reward/mean", "reward/accuracy", "reward/format") if _series(rows, k)[0]]
     if not keys:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for k in keys:
         ax.plot(*_series(rows, k), marker="o", label=k.split("/")[1])
+    steps, acc = _series(evals, "eval/accuracy")
+    if steps:  # greedy decoding of the held-out prompts (at the start, every eval.every_steps, at the end)
+        ax.plot(steps, acc, marker="s", color="black", label="held-out accuracy (greedy)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean over the step's responses")
     ax.set_title("Reward and accuracy")
@@ -132,14 +135,17 @@ def write_plots(workdir: str) -> list[str]:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    rows = [r for r in _read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("kind", "train") == "train"]
+    every = _read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    rows = [r for r in every if r.get("kind", "train") == "train"]
+    by_step = {r["step"]: r for r in every if r.get("eval/accuracy") is not None}  # the last eval of a step counts
+    evals = [by_step[k] for k in sorted(by_step)]
     lengths = _read_jsonl(os.path.join(workdir, "lengths.jsonl"))
     intervals = _read_jsonl(os.path.join(workdir, "timeline.jsonl"))
     out = os.path.join(workdir, "plots")
     os.makedirs(out, exist_ok=True)
     written = []
     for name, ok in (
-        ("reward", lambda p: _plot_reward(plt, rows, p)),
+        ("reward", lambda p: _plot_reward(plt, rows, evals, p)),
         ("lengths", lambda p: _plot_lengths(plt, rows, lengths, p)),
         ("accept", lambda p: _plot_accept(plt, rows, p)),
         ("timeline", lambda p: _plot_timeline(plt, intervals, p)),

@@ -3,14 +3,14 @@
 - prefill: right-padded prompts [Bp, P] → one forward (logits only at each prompt's last token) → prompt KV
   gathered into the rows of its samples ("prompt once, fork n") → first token sampled → DecodeState [B].
 - decode: up to K decode steps in one ``lax.while_loop`` (stops early when every row is done); attention reads
-  only the first Lb cache positions (``cache.view``); done rows are frozen.
+  only the first Lb cache positions (``attend_len``); done rows are frozen.
 - compact: gather surviving rows into a smaller batch bucket (padding rows marked done).
 
 With an EAGLE drafter (``StepContext.drafter_graphdef``) the steps take params = (policy state, drafter state) and keep
 the drafter's KV cache (``DecodeState.aux``, a DraftState) current: prefill extends it over the prompt, every plain
-decode step appends the pair (policy hidden of the fed token, sampled token), so speculative steps can start at any
-point without re-running the policy. With ``report_tokens`` (host-side n-gram drafting) info also carries the tokens
-the call emitted.
+decode chunk appends the pairs (policy hidden of the fed token, sampled token) of its steps in one extend, so
+speculative steps can start at any chunk boundary without re-running the policy. With ``report_tokens`` (host-side
+n-gram drafting) info also carries the tokens the call emitted.
 
 Every step returns (state, info): a packed ``StepInfo`` (done, num_generated[, R emitted tokens]), the one host read per
 round trip.
@@ -126,21 +126,15 @@ def record(state: DecodeState, tok: jax.Array, logits: jax.Array, hidden: jax.Ar
     )
 
 
-def decode_one(model, state: DecodeState, length: int, side: str, drafter=None) -> DecodeState:
-    """One plain decode step over every row; attention reads only cache positions < ``length``. With a drafter,
-    its cache gets the pair (hidden of the fed token, sampled token) of every active row."""
+def decode_one(model, state: DecodeState, length: int, side: str) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """One plain decode step over every row; attention reads only cache positions < ``length``. Returns the new state
+    and the drafter's pair of the step: the policy's hidden state of the fed token [B, H] and the sampled token [B]."""
     active = ~state.done
     out = model(state.last_token[:, None], cache=state.cache, attend_len=length)
     logits = out.logits[:, 0].astype(jnp.float32)
     tok = choose_tokens(logits, state, state.cache.lengths + 1)
     cache = state.cache.append(out.k_new, out.v_new, active.astype(jnp.int32))
-    new = record(state.replace(cache=cache), tok, logits, out.hidden[:, 0], side)
-    if drafter is not None:
-        aux = drafter_extend(
-            model, drafter, state.aux, out.hidden, tok[:, None], active.astype(jnp.int32), attend_len=length
-        )
-        new = new.replace(aux=aux)
-    return new
+    return record(state.replace(cache=cache), tok, logits, out.hidden[:, 0], side), out.hidden[:, 0], tok
 
 
 def step_info(state: DecodeState, ngen_before: jax.Array | None = None, width: int = 0, *, verifies=None,
@@ -212,22 +206,38 @@ def build_prefill(ctx: StepContext, key: StepKey):
 
 
 def build_decode(ctx: StepContext, key: StepKey):
-    """Key: ("decode", B, Lb). Args: params, DecodeState [B] (donated). Up to K steps, early exit when all done."""
+    """Key: ("decode", B, Lb). Args: params, DecodeState [B] (donated). Up to K steps, early exit when all done.
+
+    With an EAGLE drafter the chunk's (hidden, token) pairs are kept and the drafter's cache is extended over all of
+    them at once after the loop (one T = K extend instead of K single-token ones: the same cache, far fewer small
+    operations), so it is current at every chunk boundary, where a speculative step may start."""
     k, length = ctx.chunk_size, key.length
 
     def step(params, state: DecodeState):
         model, drafter = ctx.merge(params)
         ngen = state.num_generated
+        b = ngen.shape[0]
+        pairs = ()
+        if drafter is not None:
+            pairs = (jnp.zeros((b, k, ctx.config.hidden_size), ctx.cache_dtype), jnp.zeros((b, k), jnp.int32))
 
         def cond(c):
-            i, s = c
+            i, s, _ = c
             return (i < k) & jnp.any(~s.done)
 
         def body(c):
-            i, s = c
-            return i + 1, decode_one(model, s, length, ctx.capture_side, drafter)
+            i, s, pairs = c
+            s, h, tok = decode_one(model, s, length, ctx.capture_side)
+            if pairs:
+                hs, toks = pairs
+                pairs = (hs.at[:, i].set(h.astype(hs.dtype)), toks.at[:, i].set(tok))
+            return i + 1, s, pairs
 
-        _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+        _, state, pairs = jax.lax.while_loop(cond, body, (jnp.int32(0), state, pairs))
+        if pairs:  # rows emitted num_generated - ngen pairs, consecutive from the chunk's start
+            hs, toks = pairs
+            aux = drafter_extend(model, drafter, state.aux, hs, toks, state.num_generated - ngen, attend_len=length)
+            state = state.replace(aux=aux)
         return state, step_info(state, ngen, k if ctx.report_tokens else 0)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
