@@ -153,8 +153,10 @@ def _tlt_imports(path: pathlib.Path) -> set[str]:
     """Every tlt_jax module a file imports, at module level or inside functions."""
     import ast
 
+    from test_imports import parse_file
+
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_file(path)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("tlt_jax")}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tlt_jax"):
