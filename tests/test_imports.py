@@ -19,7 +19,6 @@ def parse_file(path: Path) -> ast.Module:
     """``ast.parse`` with the garbage collector paused: on CPython 3.11.7 a finalizer that runs inside the parser's
     AST conversion (e.g. an asyncio task left by an earlier test) can end it in "SystemError: AST constructor
     recursion depth mismatch" (fixed in later CPython releases)."""
-    gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
     try:
