@@ -3,18 +3,27 @@
     python -m tlt_jax.main --config=configs/gsm8k.py --workdir=runs/gsm8k
 
 Task: small additions (reasoning-gym ``basic_arithmetic``, a + b with 1-2 digit operands, disjoint train / held-out
-seeds), asked to end with "The answer is N." The reward is exact-match correctness plus a format reward
-(``reward.format_weight``: stating the final answer), as common GRPO recipes pair them; the "acc" column is
-correctness alone, "format" the share of responses that state an answer. Responses end by themselves, most within a
-few dozen tokens and a few after hundreds: a long tail.
+seeds), asked to think step by step and end with "The answer is N."; the reward is exact-match correctness, so the
+"reward" and "acc" columns agree (``--config.reward.format_weight=0.5`` adds a format reward: in the same 12 steps
+here it drew the policy to the format, not the sums: held-out accuracy 0.375 -> 0.531 -> 0.438 -> 0.344). Responses end by themselves: most within a few dozen tokens, a few at the 256 cap.
 
 Rollout: TLT's adaptive engine. A bandit per batch bucket picks plain decoding or an EAGLE tree from measured
 tokens/s (``rollout.spec_arms``), starting from the warmed-up drafter shipped with the package
 (``rollout.drafter_path="eagle-smollm2-gsm"``), and that drafter trains online on the policy's own responses
 (``drafter.online``: on one CPU device no slice is ever idle, so ``drafter.steps_without_idle`` steps run after each
-rollout, shown in the "draft s" column). TLT's GRPO recipe (configs/base.py ``tlt_grpo``: KL 0.001 low-var k3, clip
-0.2, token-mean, grad clip 1.0) at CPU scale, with temperature 0.7 and a learning rate a 135M model moves with in a
-few steps. On a GPU, scale up with e.g. --config.data.prompts_per_step=64 --config.rollout.samples_per_prompt=8.
+rollout, shown in the "draft s" column). GRPO as in configs/base.py ``tlt_grpo`` (clip 0.2, token-mean, grad clip 1.0)
+without the KL term (no reference pass, as Dr. GRPO / DAPO; TLT's recipe uses 0.001), temperature 0.7 and a learning
+rate a 135M model moves with in a few steps. On a GPU, scale up with e.g. --config.data.prompts_per_step=64
+--config.rollout.samples_per_prompt=8.
+
+Measured (2026-11-25, fresh clone and venv on the 2-core x86 CPU VM, README's command; 10 min 20 s wall including
+the install, 571 s for the job itself; steps of 21-66 s, median 34 s, of which the policy update ~20 s):
+- held-out greedy accuracy (32 prompts): 0.375 at step 0, 0.625 at step 4, 0.688 at step 8, 0.656 at the end;
+- training reward (8 samples per step at T = 0.7, noisy): mean 0.21 over steps 1-6, 0.31 over steps 7-12;
+- response lengths: median 30-94 tokens per step, longest 54-256 (the cap, steps 8 and 12);
+- accept length 1.75-2.25 tokens per verify; the EAGLE arms ran 9-28 % of the chunks in steps 1-6 and 53-65 % in
+  steps 7-12 as the bandit learned where they pay; 4 drafter steps per RL step (1.3-3.6 s).
+Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
 
 import importlib.util

@@ -57,3 +57,9 @@ def test_only_plots_with_data_and_cut_lines_tolerated(tmp_path):
     written = write_plots(wd)
     assert sorted(os.path.basename(p) for p in written) == sorted([PLOT_FILES["reward"], PLOT_FILES["lengths"]])
     assert not os.path.exists(os.path.join(wd, "plots", PLOT_FILES["timeline"]))
+
+
+def test_running_mean_of_the_last_steps():
+    from tlt_jax.metrics.plots import _running_mean
+
+    assert _running_mean([0.0, 1.0, 0.5, 0.5, 1.0], 4) == [0.0, 0.5, 0.5, 0.5, 0.75]

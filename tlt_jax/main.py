@@ -239,6 +239,8 @@ def run(cfg, workdir: str) -> dict[str, float]:
             progress.write(f"adapted drafter (EAGLE layout): {exported}")
         final["time/total_s"] = time.perf_counter() - t_start
         writer.write(cfg.train.num_steps, final, kind="final")
+        if primary:
+            write_plots(workdir)  # the final evaluation joins the held-out accuracy curve
         progress.write(
             f"final evaluation accuracy: {final['eval/accuracy']:.4f} on {len(data.eval)} held-out prompts "
             f"(greedy; total {final['time/total_s']:.0f} s); plots in {os.path.join(workdir, 'plots')}"

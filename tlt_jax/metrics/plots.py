@@ -46,20 +46,31 @@ def _series(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [float(p[1]) for p in pts]
 
 
-def _plot_reward(plt, rows, evals, path) -> bool:
+def _running_mean(values: Sequence[float], window: int) -> list[float]:
+    return [sum(values[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
+def _plot_reward(plt, rows, evals, path, window: int = 4) -> bool:
     keys = [k for k in ("reward/mean", "reward/accuracy", "reward/format") if _series(rows, k)[0]]
     if not keys:
         return False
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if "reward/accuracy" in keys and _series(rows, "reward/accuracy") == _series(rows, "reward/mean"):
+        keys.remove("reward/accuracy")  # no format reward: the reward is the accuracy; one line, named for both
+    fig, ax = plt.subplots(figsize=(7, 3.5))
     for k in keys:
-        ax.plot(*_series(rows, k), marker="o", label=k.split("/")[1])
+        name = "reward = accuracy" if k == "reward/mean" and "reward/accuracy" not in keys else k.split("/")[1]
+        steps, vals = _series(rows, k)
+        (line,) = ax.plot(steps, vals, marker="o", alpha=0.45, label=f"{name} (sampled)")
+        if len(vals) >= window:  # a step's few samples are noisy: the trend is the running mean
+            ax.plot(steps, _running_mean(vals, window), color=line.get_color(), lw=2.2,
+                    label=f"{name}, mean of the last {window} steps")
     steps, acc = _series(evals, "eval/accuracy")
     if steps:  # greedy decoding of the held-out prompts (at the start, every eval.every_steps, at the end)
-        ax.plot(steps, acc, marker="s", color="black", label="held-out accuracy (greedy)")
+        ax.plot(steps, acc, marker="s", color="black", lw=2.2, label="held-out accuracy (greedy)")
     ax.set_xlabel("RL step")
-    ax.set_ylabel("mean over the step's responses")
+    ax.set_ylabel("mean over responses")
     ax.set_title("Reward and accuracy")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.grid(alpha=0.3)
     _save(fig, path)
     plt.close(fig)
