@@ -11,13 +11,15 @@ benchmarks/results/drafter_adaptation.json; the adaptive run's workdir keeps its
 slices busy / idle / training).
 
     python benchmarks/drafter_adaptation.py --steps 8 --lr 2e-5
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/drafter_adaptation.py --slices 2 \
+        --modes static,adaptive,adaptive_hot --out benchmarks/results/drafter_adaptation_2slices.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import shutil
 import sys
 import tempfile
 import time
@@ -44,6 +46,11 @@ def main() -> None:
     ap.add_argument("--steps_without_idle", type=int, default=16)
     ap.add_argument("--tree", default="5x1x6", help="EAGLE tree of both runs (depth x topk x verify tokens)")
     ap.add_argument("--max_new_tokens", type=int, default=256)
+    ap.add_argument("--kl_coef", type=float, default=1e-3,
+                    help="rl.kl_coef: > 0 keeps the starting policy as reference, so train/kl_loss measures the drift")
+    ap.add_argument("--modes", default="static,adaptive",
+                    help="static, adaptive, adaptive_hot (adaptive with drafter.hot_swap: needs --slices >= 2)")
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
     args = ap.parse_args()
 
@@ -64,21 +71,27 @@ def main() -> None:
         "rollout.spec_topk": topk,
         "rollout.spec_verify_tokens": verify,
         "rollout.drafter_path": str(DRAFTER),
-        "data.eval_size": 4,
-        "eval.batch_size": 4,
+        "rl.kl_coef": args.kl_coef,
+        "eval.every_steps": 0,
+        "eval.at_start": False,
         "checkpoint.every_steps": 1000,
         "metrics.progress_bars": False,
         "metrics.tensorboard": False,
     }
-    modes = {
-        "static": {"drafter.online": False},
-        "adaptive": {
-            "drafter.online": True,
-            "drafter.lr": args.drafter_lr,
-            "drafter.steps_without_idle": args.steps_without_idle,
-            "rollout.num_slices": args.slices,
-        },
+    online = {
+        "drafter.online": True,
+        "drafter.lr": args.drafter_lr,
+        "drafter.steps_without_idle": args.steps_without_idle,
     }
+    known = {
+        "static": {"drafter.online": False},
+        "adaptive": online,
+        "adaptive_hot": {**online, "drafter.hot_swap": True},
+    }
+    names = args.modes.split(",")
+    if "static" not in names or any(n not in known for n in names):
+        raise SystemExit(f"--modes: a comma list of {sorted(known)} including static, got {args.modes!r}")
+    modes = {n: {**known[n], "rollout.num_slices": args.slices} for n in names}
     out: dict = {"args": vars(args), "modes": {}}
     for name, extra in modes.items():
         t0 = time.perf_counter()
@@ -93,23 +106,38 @@ def main() -> None:
             "drafter_train_s": [r.get("controller/train_s", 0.0) for r in rows],
             "drafter_steps": [r.get("drafter/steps", 0.0) for r in rows],
             "drafter_heldout_top1": [r.get("drafter/top1") for r in rows],
+            "hot_swaps": [r.get("controller/hot_swaps") for r in rows],
+            "idle_s": [r.get("controller/idle_s") for r in rows],
+            "overhang_s": [r.get("controller/overhang_s") for r in rows],
+            "tail_s": [r["time/tail_s"] for r in rows],
             "kl_to_start": [r.get("train/kl_loss") for r in rows],
             "wall_s": time.perf_counter() - t0,
         }
-    s, a = out["modes"]["static"], out["modes"]["adaptive"]
-    out["same_rollouts"] = s["reward_mean"] == a["reward_mean"]
-    out["ratio_last"] = a["accept_length"][-1] / s["accept_length"][-1]
+    s = out["modes"]["static"]
     half = len(s["accept_length"]) // 2  # after the drift: the second half of the run
-    out["ratio_second_half"] = (sum(a["accept_length"][half:]) / sum(s["accept_length"][half:]))
-    out["plots"] = os.path.join(root, "adaptive", "plots")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    out["same_rollouts"] = all(m["reward_mean"] == s["reward_mean"] for m in out["modes"].values())
+    for name, m in out["modes"].items():
+        if name != "static":
+            m["ratio_last"] = m["accept_length"][-1] / s["accept_length"][-1]
+            m["ratio_second_half"] = sum(m["accept_length"][half:]) / sum(s["accept_length"][half:])
+    trained = [n for n in names if n != "static"]
+    if trained:  # one step's slices busy / idle / training, kept beside the JSON
+        png = root / trained[-1] / "plots" / "timeline.png"
+        if png.exists():
+            out["timeline_png"] = str(Path(args.out).with_suffix(".timeline.png"))
+            shutil.copyfile(png, out["timeline_png"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     for k in range(len(s["accept_length"])):
-        print(f"step {k + 1}: accept static {s['accept_length'][k]:.2f} adaptive {a['accept_length'][k]:.2f}  "
-              f"reward {s['reward_mean'][k]:.3f} / {a['reward_mean'][k]:.3f}  "
-              f"drafter {a['drafter_steps'][k]:.0f} steps {a['drafter_train_s'][k]:.1f} s of {a['step_s'][k]:.1f} s")
-    print(f"same rollouts: {out['same_rollouts']}; adaptive / static accept: last step {out['ratio_last']:.2f}, "
-          f"second half {out['ratio_second_half']:.2f}; plots {out['plots']}")
+        cells = "  ".join(f"{n} {m['accept_length'][k]:.2f}" for n, m in out["modes"].items())
+        kl = s["kl_to_start"][k]
+        print(f"step {k + 1}: accept {cells}  reward {s['reward_mean'][k]:.3f}"
+              + (f"  KL to start {kl:.4f}" if kl is not None else ""))
+    for n in trained:
+        m = out["modes"][n]
+        print(f"{n} / static accept: last step {m['ratio_last']:.2f}, second half {m['ratio_second_half']:.2f}; "
+              f"drafter {sum(m['drafter_train_s']):.1f} s over the run")
+    print(f"same rollouts: {out['same_rollouts']}; {args.out}")
 
 
 if __name__ == "__main__":
