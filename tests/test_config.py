@@ -25,7 +25,7 @@ def _load(name):
     return _parse(["prog", f"--config={CONFIGS / name}"])
 
 
-@pytest.mark.parametrize("name", ["base.py", "tiny.py", "gsm8k.py"])
+@pytest.mark.parametrize("name", ["base.py", "tiny.py", "tiny_tlt.py", "gsm8k.py"])
 def test_config_files_validate(name):
     cfg = from_config_dict(_load(name))
     assert isinstance(cfg, Config)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 from test_main import _cfg, _train_rows
-from test_online import QUIET, TREE
+from test_online import QUIET
 
 from tlt_jax.config import ConfigError
 from tlt_jax.controller import TIMELINE_FILE
@@ -28,11 +28,11 @@ def test_per_example_answer_lengths_cap_the_reward():
 
 
 def test_slices_that_finish_early_train_the_drafter(tmp_path):
-    """Two slices, long-tailed answers, no drafter steps outside idle time: every step's responses have a tail
-    (p50 < max <= the cap), and at every step a slice trained the drafter while the other still decoded."""
-    cfg = _cfg("tiny.py", *QUIET, *TREE, "--config.train.num_steps=2", "--config.drafter.online=True",
-               "--config.drafter.lr=3e-3", "--config.rollout.num_slices=2", "--config.drafter.steps_without_idle=0",
-               "--config.data.synthetic.answer_len_sigma=1.0", "--config.checkpoint.every_steps=100")
+    """configs/tiny_tlt.py: two slices, long-tailed answers, no drafter steps outside idle time: every step's
+    responses have a tail (p50 < max <= the cap), and at every step a slice trained the drafter while the other
+    still decoded."""
+    cfg = _cfg("tiny_tlt.py", *QUIET, "--config.train.num_steps=2", "--config.checkpoint.every_steps=100")
+    assert cfg.rollout.num_slices == 2 and cfg.drafter.online and cfg.drafter.steps_without_idle == 0
     run(cfg, str(tmp_path))
     rows = _train_rows(tmp_path)
     for step, r in rows.items():

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
+from tlt_jax.assets import resolve_drafter_path
 from tlt_jax.drafter import load_drafter
 from tlt_jax.models import DEFAULT_MODEL, CausalLM, ModelLoadError, load_model_and_tokenizer
 from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
@@ -39,7 +40,10 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("num_samples", 1, "Samples of the same prompt (one prefill, forked).", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and parameter dtype.")
-flags.DEFINE_string("drafter", None, "Speculative decoding: a saved EAGLE drafter directory, or 'ngram'.")
+flags.DEFINE_string(
+    "drafter", None, "Speculative decoding: a saved EAGLE drafter directory, a shipped drafter's name "
+    "(eagle-smollm2-gsm), or 'ngram'."
+)
 flags.DEFINE_integer("spec_depth", _SPEC.depth, "Draft tree depth.")
 flags.DEFINE_integer("spec_topk", _SPEC.topk, "Children per expanded draft node (EAGLE-2).")
 flags.DEFINE_integer("spec_verify_tokens", _SPEC.verify_tokens, "Tree tokens verified per step, root included.")
@@ -168,7 +172,7 @@ def main(argv):
     if f.drafter:
         try:
             spec = cli_spec(f)
-            drafter = "ngram" if f.drafter == "ngram" else load_drafter(f.drafter, dtype)
+            drafter = "ngram" if f.drafter == "ngram" else load_drafter(resolve_drafter_path(f.drafter), dtype)
         except (ValueError, OSError) as e:
             sys.exit(f"error: --drafter={f.drafter}: {e}")
     try:
