@@ -23,7 +23,7 @@ the install, 571 s for the job itself; steps of 21-66 s, median 34 s, of which t
 - training reward (8 samples per step at T = 0.7, noisy): mean 0.21 over steps 1-6, 0.31 over steps 7-12;
 - response lengths: median 30-94 tokens per step, longest 54-256 (the cap, steps 8 and 12);
 - accept length 1.75-2.25 tokens per verify; the bandit ran the EAGLE 3x1x4 arm for 9-28 % of the chunks in steps
-  1-6 and 53-65 % in steps 7-12 (mostly the tail's few-row chunks); 4 drafter steps per RL step (1.3-3.6 s). On this
+  1-6 and 53-65 % in steps 7-12; 4 drafter steps per RL step (1.3-3.6 s). On this
   CPU the adaptive rollouts cost what plain ones do (benchmarks/README.md, "The default run").
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
