@@ -47,18 +47,24 @@ def _series(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def _running_mean(values: Sequence[float], window: int) -> list[float]:
-    return [sum(values[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+    """Mean of each value and the up to ``window - 1`` values before it."""
+    out = []
+    for i in range(len(values)):
+        last = values[max(0, i + 1 - window) : i + 1]
+        out.append(sum(last) / len(last))
+    return out
 
 
 def _plot_reward(plt, rows, evals, path, window: int = 4) -> bool:
     keys = [k for k in ("reward/mean", "reward/accuracy", "reward/format") if _series(rows, k)[0]]
     if not keys:
         return False
-    if "reward/accuracy" in keys and _series(rows, "reward/accuracy") == _series(rows, "reward/mean"):
+    same = _series(rows, "reward/accuracy") == _series(rows, "reward/mean")
+    if same and "reward/accuracy" in keys:
         keys.remove("reward/accuracy")  # no format reward: the reward is the accuracy; one line, named for both
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for k in keys:
-        name = "reward = accuracy" if k == "reward/mean" and "reward/accuracy" not in keys else k.split("/")[1]
+        name = "reward = accuracy" if k == "reward/mean" and same else k.split("/")[1]
         steps, vals = _series(rows, k)
         (line,) = ax.plot(steps, vals, marker="o", alpha=0.45, label=f"{name} (sampled)")
         if len(vals) >= window:  # a step's few samples are noisy: the trend is the running mean
