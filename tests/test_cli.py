@@ -30,7 +30,7 @@ def _fails_in_one_line(module, *args):
             ["--config.rollout.top_k=abc", "'abc'", "config.rollout.top_k is an int, default 0"],
         ),
         (["--config=configs/nonexist.py"], ["--config=configs/nonexist.py: no such config file", "'tiny.py'"]),
-        (["--config=configs/tny.py"], ["did you mean 'tiny.py'?"]),
+        (["--config=configs/tny.py"], ["did you mean 'tiny.py'"]),
         (["--config=configs/tiny.py", "stray"], ["unexpected arguments ['stray']"]),
         ([], ["--config=configs/<name>.py is required"]),
     ],
