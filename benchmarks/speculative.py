@@ -21,9 +21,10 @@ excluded); ``decode_speedup`` leaves out the prefill (the same work in every arm
 drafter), the best speedup by batch and the smallest batch from which no configuration beats plain.
 
 Adaptive engine (--adaptive): one RolloutEngine holding both drafters, ``SpecConfig(arms=("off", every fixed arm of the
-batch))``, its bandit fresh for every (batch, temperature). It runs in the first interleaved pass ("cold": it pays its
-learning) and once more over the same prompts with the same bandit ("warm": the steady state, as in RL where the bandit
-carries across steps); each against plain of the same pass, and against the best fixed arm.
+batch))``, its bandit fresh for every (batch, temperature), run after the fixed arms in every interleaved pass. Its
+first pass is "cold" (it pays its learning; an extra pass before the --repeats ones); in the --repeats passes after it,
+it is "warm" (the same bandit, the steady state, as in RL where the bandit carries across steps) and, like every arm,
+timed by the median over those passes: side by side with plain and the best fixed arm on the same passes.
 
 --off_overhead: only the "off" arm's cost in an adaptive engine with an EAGLE drafter (its plain steps also keep the
 drafter's KV cache current) against the plain engine, same prompts and forced lengths.
@@ -63,7 +64,8 @@ flags.DEFINE_list("configs_large", ["2x1x3", "3x1x4", "3x2x6"], "trees at batch 
 flags.DEFINE_list("drafters", ["ngram", "eagle"], "drafters to run (eagle needs --drafter)")
 flags.DEFINE_integer("b1_prompts", 8, "at batch 1, run this many prompts one after the other (summed)")
 flags.DEFINE_integer("steps_per_call", 4, "EAGLE verify steps per host round trip")
-flags.DEFINE_integer("repeats", 1, "interleaved passes per cell; each arm's time is the median over the passes")
+flags.DEFINE_integer("repeats", 1, "interleaved passes per cell; each arm's time is the median over the passes "
+                     "(with --adaptive: after one more pass, the adaptive engine's cold one)")
 flags.DEFINE_bool("breakdown", True, "time the parts of one step at batch 1 (plain step; EAGLE draft, verify, extend)")
 flags.DEFINE_bool("adaptive", True, "also run the adaptive engine: a bandit over off + every fixed arm of the batch")
 flags.DEFINE_float("epsilon", 0.1, "adaptive: exploration probability")
@@ -261,64 +263,71 @@ class _Tally:
         accept = self.spec_tokens / self.verifies if self.verifies else 1.0
         # Decode ms per step (a plain step or one verify step, host round trips included): at batch 1 the cost ratio
         # of a tree step to a plain step, which with the accept length gives the speedup.
-        ms = 1000 * self.decode_seconds / self.steps if self.steps else None
+        total = getattr(self, "decode_seconds_total", self.decode_seconds)  # adaptive warm: over all warm passes
+        ms = 1000 * total / self.steps if self.steps else None
         return dict(mean_accept=accept, compile_seconds=self.compile_s, steps=self.steps, ms_per_step=ms,
                     seconds_passes=self.seconds_passes or [self.seconds])
 
 
 def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1, adaptive=None):
     """Run every arm on every prompt group, interleaved (per group: plain, each speculative arm, plain again), so a
-    drift in machine load hits every arm alike; plain's time is the mean of its two passes. With ``repeats`` > 1 the
-    whole interleaved pass runs that many times and each arm's seconds are the median over the passes (the shared
-    machine's memory bandwidth drifts by tens of percent; the tokens must be identical in every pass). Returns the
-    tallies of the speculative arms and plain's.
+    drift in machine load hits every arm alike; plain's time is the mean of its two runs. The whole interleaved pass
+    runs ``repeats`` times and each arm's seconds are the median over the passes (the shared machine's speed drifts by
+    tens of percent between passes; the tokens must be identical in every pass). Returns the tallies of the
+    speculative arms and plain's.
 
-    ``adaptive`` (an adaptive engine, its bandit fresh) joins the first pass ("cold": it learns while it runs), then
-    runs every group once more between two plain runs ("warm": the same bandit, as in RL where it carries across
-    steps). Its tallies come back under ("adaptive", "cold" | "warm") with ``ref_seconds`` / ``ref_decode_seconds``,
-    plain's mean time of the same pass, and ``choices``, the bandit's choice counters after the pass."""
-    passes, extra = [], {}
-    for p in range(repeats):
-        plain, again = _Tally(), _Tally()
-        tallies = {key: _Tally() for key in arms if key != "plain"}
-        cold = _Tally() if adaptive is not None and p == 0 else None
+    ``adaptive`` (an adaptive engine, its bandit fresh) joins every pass after the speculative arms. One extra pass
+    runs first: the adaptive engine's "cold" pass (it learns while it runs; compared with plain of that pass). The
+    ``repeats`` passes after it are "warm" (the same bandit, as in RL where it carries across steps): the adaptive
+    engine's and every fixed arm's seconds are medians over them, so it is compared side by side with the arms on the
+    same passes. Its tallies come back under ("adaptive", "cold" | "warm") with ``ref_seconds`` /
+    ``ref_decode_seconds``, plain's time of the same pass(es), and ``choices``, the bandit's choice counters at the
+    end."""
+    runs = [*arms, "adaptive"] if adaptive is not None else list(arms)
+    engines = arms | ({"adaptive": adaptive} if adaptive is not None else {})
+    passes = []
+    for _ in range(repeats + (adaptive is not None)):
+        tallies, again = {key: _Tally() for key in runs}, _Tally()
         for g in groups:
-            plain.run(arms["plain"], g, params)
-            for key, t in tallies.items():
-                t.run(arms[key], g, params)
-            if cold is not None:
-                cold.run(adaptive, g, params)
+            for key in runs:
+                tallies[key].run(engines[key], g, params)
             again.run(arms["plain"], g, params)
-        if again.tokens != plain.tokens:
-            raise AssertionError("plain decoding is not deterministic across two passes")
+        plain = tallies["plain"]
+        if again.tokens != plain.tokens or (passes and plain.tokens != passes[0]["plain"].tokens):
+            raise AssertionError("plain decoding is not deterministic across passes")
         plain.seconds = (plain.seconds + again.seconds) / 2
         plain.decode_seconds = (plain.decode_seconds + again.decode_seconds) / 2
-        if cold is not None:
-            cold.ref_seconds, cold.ref_decode_seconds = plain.seconds, plain.decode_seconds
-            cold.choices = adaptive.bandit.stats()["choices"]
-            extra["adaptive", "cold"] = cold
-        passes.append((tallies, plain))
+        if adaptive is not None:
+            tallies["adaptive"].choices = adaptive.bandit.stats()["choices"]
+        passes.append(tallies)
+    extra = {}
     if adaptive is not None:
-        plain, warm, again = _Tally(), _Tally(), _Tally()
-        for g in groups:
-            plain.run(arms["plain"], g, params)
-            warm.run(adaptive, g, params)
-            again.run(arms["plain"], g, params)
-        if again.tokens != plain.tokens or plain.tokens != passes[0][1].tokens:
-            raise AssertionError("plain decoding is not deterministic across passes")
-        warm.ref_seconds = (plain.seconds + again.seconds) / 2
-        warm.ref_decode_seconds = (plain.decode_seconds + again.decode_seconds) / 2
-        warm.choices = adaptive.bandit.stats()["choices"]
-        extra["adaptive", "warm"] = warm
-    tallies, plain = passes[0]
-    for key, t in [*tallies.items(), ("plain", plain)]:
-        runs = [p[1] if key == "plain" else p[0][key] for p in passes]
-        if any(r.tokens != t.tokens for r in runs):
+        cold = passes[0]["adaptive"]
+        cold.ref_seconds, cold.ref_decode_seconds = passes[0]["plain"].seconds, passes[0]["plain"].decode_seconds
+        extra["adaptive", "cold"] = cold
+        passes = passes[1:]
+    out = {}
+    for key in runs:
+        t = passes[-1][key]
+        if any(p[key].tokens != passes[0][key].tokens for p in passes):
             raise AssertionError(f"{key}: tokens differ between repeated passes")
-        t.seconds_passes = [r.seconds for r in runs]
+        t.seconds_passes = [p[key].seconds for p in passes]
         t.seconds = float(np.median(t.seconds_passes))
-        t.decode_seconds = float(np.median([r.decode_seconds for r in runs]))
-    return tallies | extra, plain
+        t.decode_seconds = float(np.median([p[key].decode_seconds for p in passes]))
+        if key == "adaptive":  # the arm steps and verifies of every warm pass together
+            for p in passes[:-1]:
+                for a, n in p[key].arm_steps.items():
+                    t.arm_steps[a] = t.arm_steps.get(a, 0) + n
+                t.verifies, t.spec_tokens, t.steps = (
+                    t.verifies + p[key].verifies, t.spec_tokens + p[key].spec_tokens, t.steps + p[key].steps)
+            t.decode_seconds_total = sum(p[key].decode_seconds for p in passes)
+        out[key] = t
+    plain = out.pop("plain")
+    if adaptive is not None:
+        warm = out.pop("adaptive")
+        warm.ref_seconds, warm.ref_decode_seconds = plain.seconds, plain.decode_seconds
+        extra["adaptive", "warm"] = warm
+    return out | extra, plain
 
 
 def main(argv):
@@ -393,7 +402,8 @@ def main(argv):
                 if name == "adaptive":  # speedups against plain of the same pass
                     rows[-1].update(arm_steps=tl.arm_steps, bandit_choices=tl.choices, plain_seconds_pass=ref,
                                     bandit_best=ada.bandit.stats()["best"], arms=list(bandit_arms))
-                    label = "adaptive, cold (1st pass, fresh bandit)" if c == "cold" else "adaptive, warm (2nd pass)"
+                    label = ("adaptive, cold (1st pass, fresh bandit)" if c == "cold"
+                             else f"adaptive, warm (median of {_F.repeats} passes)")
                 print(f"b={b:2d} T={temp}: {label}: accept {tl.stats()['mean_accept']:.2f} tok/verify, "
                       f"{tl.stats()['ms_per_step']:.1f} ms/step (plain {pt.stats()['ms_per_step']:.1f}), "
                       f"{n_tok / t:7.1f} tok/s, {ref / t:.2f}x plain "
@@ -453,33 +463,42 @@ def _summarise(rows, names, log: bool = True):
 
 
 def _adaptive_vs_fixed(rows, log: bool = True) -> list[dict]:
-    """Per (temperature, batch) and adaptive pass (cold: the first, with a fresh bandit; warm: the second): the
-    adaptive engine's speedup over plain (plain of the same pass) and its ratio to the best fixed arm's speedup
-    (goals: >= 1.0x plain, >= 0.95x the best fixed arm)."""
+    """Per (temperature, batch) and adaptive pass (cold: the first, with a fresh bandit; warm: the passes after it):
+    the adaptive engine's speedup over plain (plain of the same passes) and its ratio to the best fixed arm's speedup
+    (goals: >= 1.0x plain, >= 0.95x the best fixed arm); for several warm passes also the paired ratios."""
     out = []
     for temp, b in sorted({(r["temperature"], r["batch"]) for r in rows}):
         cell = [r for r in rows if r["temperature"] == temp and r["batch"] == b]
         fixed = [r for r in cell if r["drafter"] != "adaptive"]  # plain included: "off" is an arm
         best = max(fixed, key=lambda r: r["speedup"])
+        plain = next(r for r in fixed if r["config"] == "plain")
         for ada in (r for r in cell if r["drafter"] == "adaptive"):
-            out.append(
-                dict(
-                    temperature=temp,
-                    batch=b,
-                    adaptive_pass=ada["config"],
-                    adaptive_vs_plain=ada["speedup"],
-                    best_fixed=f"{best['drafter']} {best['config']}",
-                    best_fixed_vs_plain=best["speedup"],
-                    adaptive_vs_best=ada["speedup"] / best["speedup"],
-                    arm_steps=ada.get("arm_steps"),
-                    bandit_choices=ada.get("bandit_choices"),
-                )
+            row = dict(
+                temperature=temp,
+                batch=b,
+                adaptive_pass=ada["config"],
+                adaptive_vs_plain=ada["speedup"],
+                best_fixed=f"{best['drafter']} {best['config']}",
+                best_fixed_vs_plain=best["speedup"],
+                adaptive_vs_best=ada["speedup"] / best["speedup"],
+                arm_steps=ada.get("arm_steps"),
+                bandit_choices=ada.get("bandit_choices"),
             )
+            paired = ""
+            if ada["config"] == "warm" and len(ada["seconds_passes"]) > 1:
+                # Paired: per warm pass the ratio to plain's / the best arm's time in the same pass, then the median
+                # (a pass on a slow stretch of the shared machine slows every arm of that pass alike).
+                a_s = np.asarray(ada["seconds_passes"])
+                row["adaptive_vs_plain_paired"] = float(np.median(np.asarray(plain["seconds_passes"]) / a_s))
+                row["adaptive_vs_best_paired"] = float(np.median(np.asarray(best["seconds_passes"]) / a_s))
+                paired = (f"; paired per pass (median): {row['adaptive_vs_plain_paired']:.2f}x plain, "
+                          f"{row['adaptive_vs_best_paired']:.2f}x the best")
+            out.append(row)
             if log:
                 print(
                     f"T={temp} b={b}: adaptive {ada['config']:>4}: {ada['speedup']:.2f}x plain, "
                     f"{ada['speedup'] / best['speedup']:.2f}x the best fixed arm ({best['drafter']} {best['config']} "
-                    f"{best['speedup']:.2f}x)"
+                    f"{best['speedup']:.2f}x){paired}"
                 )
     return out
 
