@@ -42,9 +42,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-5, help="policy learning rate (high: the policy drifts)")
-    ap.add_argument("--drafter_lr", type=float, default=1e-3)
+    ap.add_argument("--drafter_lr", type=float, default=2e-4, help="1e-3 erased part of the warm-up in its first steps")
     ap.add_argument("--slices", type=int, default=1, help="rollout.num_slices (needs that many devices)")
-    ap.add_argument("--steps_without_idle", type=int, default=16)
+    ap.add_argument("--steps_without_idle", type=int, default=4)
     ap.add_argument("--tree", default="5x1x6", help="EAGLE tree of both runs (depth x topk x verify tokens)")
     ap.add_argument("--max_new_tokens", type=int, default=256)
     ap.add_argument("--kl_coef", type=float, default=1e-3,
