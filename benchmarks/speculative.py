@@ -26,8 +26,8 @@ first pass is "cold" (it pays its learning; an extra pass before the --repeats o
 it is "warm" (the same bandit, the steady state, as in RL where the bandit carries across steps) and, like every arm,
 timed by the median over those passes: side by side with plain and the best fixed arm on the same passes.
 
---off_overhead: only the "off" arm's cost in an adaptive engine with an EAGLE drafter (its plain steps also keep the
-drafter's KV cache current) against the plain engine, same prompts and forced lengths.
+--off_overhead: only the "off" arm's cost in an adaptive engine with an EAGLE drafter (its plain steps record the
+policy's hidden states for the drafter's later catch-up) against the plain engine, same prompts and forced lengths.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ flags.DEFINE_bool("breakdown", True, "time the parts of one step at batch 1 (pla
 flags.DEFINE_bool("adaptive", True, "also run the adaptive engine: a bandit over off + every fixed arm of the batch")
 flags.DEFINE_float("epsilon", 0.1, "adaptive: exploration probability")
 flags.DEFINE_float("margin", 0.1, "adaptive: explore only arms within this fraction of the best (BanditConfig.margin)")
-flags.DEFINE_bool("off_overhead", False, "only measure the adaptive engine's 'off' arm against plain (the drafter "
-                  "cache kept current by every plain step) at --batches, then exit")
+flags.DEFINE_bool("off_overhead", False, "only measure the adaptive engine's 'off' arm against plain (its plain "
+                  "steps record hidden states for the drafter) at --batches, then exit")
 flags.DEFINE_string("out", "benchmarks/results/speculative_smollm2_cpu.json", "JSON output")
 
 
@@ -137,14 +137,14 @@ def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -
                                                         topk=k, num_nodes=n))
         verify = jax.jit(lambda p, s, t: verify_rows(p, s, t, spec, length))
         extend = jax.jit(lambda p, dr, s, h, t, m: drafter_extend(p, dr, s, h, t, m, attend_len=dlen))
-        tree, _ = draft(policy, drafter, state.aux, state.last_token)
+        tree, _ = draft(policy, drafter, state.aux.draft, state.last_token)
         out = verify(policy, state, tree)
         tok = jnp.maximum(out.tokens, 0)
         return dict(
             part=c,
-            draft_ms=_median_ms(lambda: draft(policy, drafter, state.aux, state.last_token)),
+            draft_ms=_median_ms(lambda: draft(policy, drafter, state.aux.draft, state.last_token)),
             verify_ms=_median_ms(lambda: verify(policy, state, tree)),
-            extend_ms=_median_ms(lambda: extend(policy, drafter, state.aux, out.hidden, tok, out.num_emitted)),
+            extend_ms=_median_ms(lambda: extend(policy, drafter, state.aux.draft, out.hidden, tok, out.num_emitted)),
             fused_ms=step_ms(engine, "verify", engine.spec_arm),
         )
 
@@ -165,8 +165,9 @@ def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -
 def off_overhead(policy, drafter, prompts, batches, tokens, max_len: int, repeats: int) -> list[dict]:
     """Decode seconds of the adaptive engine pinned to "off" (threshold 0: the gate never opens) over plain decoding,
     same prompts and forced lengths (greedy, ignore_eos), interleaved passes, medians. Two adaptive engines: EAGLE arms
-    only (its plain steps also extend the drafter's KV cache) and EAGLE + n-gram arms (also report every emitted token
-    for the host n-gram histories), as the benchmark's adaptive engine."""
+    only (its plain steps also record hidden states for the drafter) and EAGLE + n-gram arms (also report every
+    emitted token for the host n-gram histories), as the benchmark's adaptive engine. Beside the timings, XLA's cost
+    analysis of each compiled chunk (flops, bytes accessed: deterministic, unlike the timings on a shared CPU)."""
     max_batch = max(batches)
     kw = dict(max_batch=max_batch, max_len=max_len)
     engines = {"plain": RolloutEngine(policy, **kw)}
@@ -191,8 +192,8 @@ def off_overhead(policy, drafter, prompts, batches, tokens, max_len: int, repeat
         # per repeat the ratio to plain's run of the same repeat, then the median: robust to slow drift
         for k in list(engines)[1:]:
             row[f"{k}_over_plain"] = float(np.median(np.divide(secs[k], secs["plain"])))
-        chunk = _chunk_ms(engines, group, n_new, reps=31)
-        row["chunk_ms"] = chunk
+        chunk, cost = _chunk_ms(engines, group, n_new, reps=31)
+        row["chunk_ms"], row["chunk_cost"] = chunk, cost
         for k in list(engines)[1:]:
             row[f"{k}_chunk_over_plain"] = float(np.median(np.divide(chunk[k], chunk["plain"])))
         out.append(row)
@@ -201,16 +202,20 @@ def off_overhead(policy, drafter, prompts, batches, tokens, max_len: int, repeat
               f"{row['off_eagle_ngram_over_plain']:.3f}x; one compiled K-step chunk alone: plain "
               f"{np.median(chunk['plain']):.1f} ms, off with the EAGLE drafter "
               f"{row['off_eagle_chunk_over_plain']:.3f}x, "
-              f"EAGLE + n-gram {row['off_eagle_ngram_chunk_over_plain']:.3f}x (load {os.getloadavg()[0]:.1f})",
+              f"EAGLE + n-gram {row['off_eagle_ngram_chunk_over_plain']:.3f}x (load {os.getloadavg()[0]:.1f}); "
+              f"cost analysis flops / bytes over plain's: "
+              + ", ".join(f"{k} {cost[k]['flops'] / cost['plain']['flops']:.4f} / "
+                          f"{cost[k]['bytes'] / cost['plain']['bytes']:.3f}" for k in list(engines)[1:]),
               flush=True)
     return out
 
 
-def _chunk_ms(engines: dict, prompts, n_new: int, reps: int) -> dict[str, list[float]]:
+def _chunk_ms(engines: dict, prompts, n_new: int, reps: int) -> tuple[dict[str, list[float]], dict[str, dict]]:
     """Milliseconds of each engine's compiled plain decode chunk (K steps, batch bucket of ``prompts``) right after
     prefilling the same prompts, without the host loop: every call on its own copy of the state (made untimed), the
-    engines interleaved call by call, the order alternating. Isolates the device cost of keeping the drafter cache
-    current from the host's round-trip work."""
+    engines interleaved call by call, the order alternating. Isolates the device cost of what the drafter adds to a
+    plain step from the host's round-trip work. Also each chunk's XLA cost analysis (flops, bytes accessed; XLA counts
+    a loop body once, so these are per program, not per K steps)."""
     import jax.numpy as jnp
 
     from tlt_jax.rollout import buckets as bk
@@ -219,7 +224,7 @@ def _chunk_ms(engines: dict, prompts, n_new: int, reps: int) -> dict[str, list[f
 
     copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
     params = SamplingParams(temperature=0.0, max_new_tokens=n_new, ignore_eos=True)
-    prepared = {}
+    prepared, costs = {}, {}
     for k, e in engines.items():
         run = GenerateRun(e, prompts, [n_new] * len(prompts), list(range(len(prompts))), params, ())
         state, _, slots, plen, _ = run.prefill([(i, 0) for i in range(len(prompts))])
@@ -227,6 +232,9 @@ def _chunk_ms(engines: dict, prompts, n_new: int, reps: int) -> dict[str, list[f
         exe = e.pool.get(StepKey("decode", len(slots), length, "plain"), e.step_params(), state)
         jax.block_until_ready(exe(e.step_params(), copy(state)))
         prepared[k] = (e, exe, state)
+        ca = exe.cost_analysis()
+        ca = ca[0] if isinstance(ca, list) else ca
+        costs[k] = dict(flops=float(ca["flops"]), bytes=float(ca["bytes accessed"]))
     times: dict[str, list[float]] = {k: [] for k in engines}
     for r in range(reps):
         for k in list(engines)[:: 1 if r % 2 == 0 else -1]:
@@ -235,7 +243,7 @@ def _chunk_ms(engines: dict, prompts, n_new: int, reps: int) -> dict[str, list[f
             t = time.perf_counter()
             jax.block_until_ready(exe(e.step_params(), fresh))
             times[k].append(1000 * (time.perf_counter() - t))
-    return times
+    return times, costs
 
 
 class _Tally:

@@ -178,3 +178,72 @@ def test_first_two_tokens_chi_square_with_random_arms():
     obs_b = np.append(counts[big], counts[~big].sum())
     exp_b = np.append(exp[big], exp[~big].sum())
     assert chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum()).pvalue > 1e-3
+
+
+def test_drafter_catches_up_over_plain_and_ngram_steps(model, drafter):
+    """Plain chunks and n-gram verify steps only record hidden states; the next EAGLE verify extends the drafter over
+    them first. After plain, n-gram, plain steps the pending pairs are exactly the tokens emitted since the prefill,
+    and after catching up (alone, then inside an EAGLE verify step) the drafter's cache and feature equal the
+    drafter run over each row's whole sequence at once."""
+    from tlt_jax.adaptive import parse_arm
+    from tlt_jax.rollout.drafter_sync import catch_up, pending_pairs
+    from tlt_jax.rollout.plan import step_key
+    from tlt_jax.rollout.run import GenerateRun
+    from tlt_jax.rollout.state import StepInfo
+    from tlt_jax.speculative.tree import drafter_prefill, init_draft_state
+
+    spec = SpecConfig(arms=ARMS, threshold=8)
+    engine = RolloutEngine(model, drafter=drafter, spec=spec, **KW)
+    prompts = [[5, 6, 7, 5, 6, 7], [9, 10, 11, 12, 13, 14], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    params = SamplingParams(temperature=0.0, n=2, max_new_tokens=[40, 3, 40], ignore_eos=True)
+    run = GenerateRun(engine, prompts, [40, 3, 40], [0, 1, 2], params, ())
+    state, info, slots, plen, _ = run.prefill([(i, j) for i in range(3) for j in range(2)])
+    first = info.num_generated.copy()
+
+    def advance(state, info, arm):
+        args = (engine.step_params(), state)
+        if arm.kind == "ngram":
+            live = ~info.done & (slots >= 0)
+            args = (*args, *map(run._put, run._ngram_trees(arm, live, slots)))
+        state, packed = engine.pool.get(step_key(arm, len(slots), 64), *args)(*args)
+        new = StepInfo.unpack(jax.device_get(packed), speculative=arm.speculative)
+        run._keep_tokens(new, info.num_generated, slots)
+        return state, new
+
+    for arm in ("off", "ngram:3x2x6", "off"):
+        state, info = advance(state, info, parse_arm(arm))
+    live = ~info.done & (slots >= 0)
+    assert live.sum() == 4 and info.done[2:4].all()  # the second prompt's rows finished during the plain chunk
+    pending = np.asarray(pending_pairs(state.aux, state.cache.lengths, state.done))
+    np.testing.assert_array_equal(pending[live], (info.num_generated - first)[live])
+    assert (pending[~live] == 0).all() and pending[live].min() > engine.chunk_size  # the n-gram step's tokens too
+
+    def reference(state):
+        """The drafter over each row's prompt + output in one pass: pairs (h_t, x_{t+1}) for t < the cache length."""
+        n = np.asarray(state.num_generated)
+        seqs = [list(prompts[s // 2]) + np.asarray(state.tokens)[r, : n[r]].tolist() if s >= 0 else [0]
+                for r, s in enumerate(slots)]
+        ids = np.zeros((len(seqs), 64), np.int32)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)] = s
+        lens = np.array([len(s) for s in seqs])
+        out = model(jnp.asarray(ids), attention_mask=jnp.arange(64)[None] < lens[:, None])
+        ds = init_draft_state(CFG, len(seqs), engine.ctx.drafter_len)
+        return drafter_prefill(model, drafter, ds, out.hidden, jnp.asarray(ids), jnp.asarray(lens - 1))
+
+    def assert_current(draft, state):
+        ref = reference(state)
+        lengths = np.asarray(state.cache.lengths)
+        np.testing.assert_array_equal(np.asarray(draft.cache.lengths)[live], lengths[live])
+        for r in np.nonzero(live)[0]:
+            n = lengths[r]
+            for got, want in ((draft.cache.k, ref.cache.k), (draft.cache.v, ref.cache.v)):
+                np.testing.assert_allclose(np.asarray(got)[0, r, :n], np.asarray(want)[0, r, :n], atol=2e-5)
+            np.testing.assert_allclose(np.asarray(draft.feature)[r], np.asarray(ref.feature)[r], atol=2e-5)
+
+    caught = jax.jit(lambda p, d, s, pend: catch_up(p, d, s.aux, s.tokens, s.num_generated, pend, piece=4,
+                                                    attend_len=64))(model, drafter, state, jnp.asarray(pending))
+    assert_current(caught.draft, state)
+    state, info = advance(state, info, parse_arm("eagle:3x2x6"))  # catches up inside the step, then drafts
+    assert (info.verifies[live] >= 1).all()
+    assert_current(state.aux.draft, state)

@@ -2,13 +2,14 @@
 the host-side n-gram proposer.
 
 Once a wave's live rows are at most ``SpecConfig.threshold`` the engine runs verify steps instead of plain K-step
-chunks. Both arms read the same DecodeState, so the switch costs nothing: the policy cache, counters and keys carry
-over, and (EAGLE) the drafter cache in ``DecodeState.aux`` was kept current by every plain step. A verify step:
+chunks. Both arms read the same DecodeState, so the switch costs no policy work: the policy cache, counters and keys
+carry over, and (EAGLE) the drafter cache in ``DecodeState.aux`` is caught up over the pairs the plain and n-gram
+steps recorded since it last ran (``tlt_jax.rollout.drafter_sync``). A verify step:
 
-    tree (EAGLE-2 draft on device from the drafter cache | n-gram trie built on the host)
+    [EAGLE: drafter caught up] → tree (EAGLE-2 draft on device from the drafter cache | n-gram trie built on the host)
     → one policy forward over the tree (tlt_jax.speculative.verify_tree: Rule S, each token keyed by its position,
       stop tokens / budget truncated exactly as plain decoding) → accepted path written into the tokens, log-probs,
-      hidden capture and KV cache → (EAGLE) drafter extended over the emitted tokens.
+      hidden capture and KV cache → drafter extended over the emitted tokens (EAGLE) or its history recorded (n-gram).
 
 EAGLE runs up to ``steps_per_call`` verify steps per host round trip (``lax.while_loop``, early exit when every row is
 done); the n-gram arm runs one, since the host builds each tree from the tokens of the previous one.
@@ -27,6 +28,7 @@ import numpy as np
 
 from tlt_jax.adaptive.arms import Arm, parse_arms
 from tlt_jax.adaptive.bandit import BanditConfig
+from tlt_jax.rollout.drafter_sync import LazyDraft, catch_up, pending_pairs, record_history
 from tlt_jax.rollout.pool import StepKey, StepPool
 from tlt_jax.rollout.state import DecodeState
 from tlt_jax.rollout.steps import StepContext, step_info
@@ -189,7 +191,8 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
     dlen = min(length + (spec.depth - 1) * spec.topk, ctx.drafter_len)  # committed context + draft scratch
 
     def one(model, drafter, head, state: DecodeState):
-        ds: DraftState = state.aux
+        sync: LazyDraft = state.aux
+        ds = sync.draft
         view = DraftState(ds.cache.view(dlen), ds.feature)
         tree, _ = eagle_draft(
             model, drafter, view, state.last_token, depth=spec.depth, topk=spec.topk, num_nodes=spec.verify_tokens,
@@ -199,10 +202,14 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
         ds = drafter_extend(
             model, drafter, ds, out.hidden, jnp.maximum(out.tokens, 0), out.num_emitted, attend_len=dlen
         )
-        return commit_verify(state, out, ctx.capture_side).replace(aux=ds), out.accept_len
+        return commit_verify(state, out, ctx.capture_side).replace(aux=sync.replace(draft=ds)), out.accept_len
 
     def step(params, state: DecodeState):
         model, drafter = ctx.merge(params)
+        pending = pending_pairs(state.aux, state.cache.lengths, state.done)
+        aux = catch_up(model, drafter, state.aux, state.tokens, state.num_generated, pending, piece=ctx.chunk_size,
+                       attend_len=dlen)
+        state = state.replace(aux=aux)
         head = draft_head(model, drafter)  # draft-vocabulary rows of the LM head: gathered once per call
         zero = jnp.zeros_like(state.num_generated)
         ngen = state.num_generated
@@ -236,6 +243,8 @@ def build_verify_ngram(ctx: StepContext, spec: SpecConfig, key: StepKey):
         tree = make_tree(tokens, parent, valid, spec.depth)
         out = verify_rows(model, state, tree, spec, length)
         state = commit_verify(state, out, ctx.capture_side)
+        if ctx.drafter_graphdef is not None:  # beside EAGLE arms: the drafter catches up over these tokens later
+            state = state.replace(aux=record_history(state.aux, ngen, out.hidden, out.num_emitted))
         acc = jnp.where(active, out.accept_len, 0)
         return state, step_info(state, ngen, spec.depth + 1, verifies=active.astype(jnp.int32), accepted=acc)
 

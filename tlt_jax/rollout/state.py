@@ -18,9 +18,11 @@ NS = stop-token slots, W = hidden-capture window). Every field has the batch on 
   hidden         [B, W, H] f32 or None   final-normed hidden state that produced generated token i, at slot
                              i % W (side "last", a ring) or i (side "first", i < W)
   aux            None, or an extension pytree: leaves with the batch on axis 0, or KVCache instances (batch on axis 1);
-                 compaction gathers it like the rest. With an EAGLE drafter: its DraftState (1-layer KV cache
-                 [1, B, S + tree scratch, KV, D] with lengths = cache.lengths, and the feature [B, H] that ranks the
-                 next root's children), kept current by every prefill, decode and verify step
+                 compaction gathers it like the rest. With an EAGLE drafter: a LazyDraft = its DraftState (1-layer
+                 KV cache [1, B, S + tree scratch, KV, D] with lengths <= cache.lengths, and the feature [B, H] that
+                 ranks the next root's children) and history [B, M, H], the policy hidden state that produced each
+                 generated token; prefill and EAGLE verify steps extend the drafter, plain and n-gram steps only
+                 write history, and an EAGLE verify step first catches the drafter up over it
 
 A token's position in its sequence is prompt_len + i for generated token i; its random key is
 token_keys(seed, request_id, sample_id, position).

@@ -6,11 +6,12 @@
   only the first Lb cache positions (``attend_len``); done rows are frozen.
 - compact: gather surviving rows into a smaller batch bucket (padding rows marked done).
 
-With an EAGLE drafter (``StepContext.drafter_graphdef``) the steps take params = (policy state, drafter state) and keep
-the drafter's KV cache (``DecodeState.aux``, a DraftState) current: prefill extends it over the prompt, every plain
-decode chunk appends the pairs (policy hidden of the fed token, sampled token) of its steps in one extend, so
-speculative steps can start at any chunk boundary without re-running the policy. With ``report_tokens`` (host-side
-n-gram drafting) info also carries the tokens the call emitted.
+With an EAGLE drafter (``StepContext.drafter_graphdef``) the steps take params = (policy state, drafter state) and
+carry the drafter's state (``DecodeState.aux``, a ``LazyDraft``): prefill extends the drafter over the prompt, plain
+decode chunks only record the policy hidden state of each step (the drafter is caught up over them by the next EAGLE
+verify, ``tlt_jax.rollout.drafter_sync``), so speculative steps can start at any chunk boundary without re-running the
+policy, and plain steps cost what they cost without a drafter. With ``report_tokens`` (host-side n-gram drafting)
+info also carries the tokens the call emitted.
 
 Every step returns (state, info): a packed ``StepInfo`` (done, num_generated[, R emitted tokens]), the one host read per
 round trip.
@@ -28,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax.distributed import LogicalRules
 from tlt_jax.models import KVCache, ModelConfig
+from tlt_jax.rollout.drafter_sync import LazyDraft, record_history
 from tlt_jax.rollout.pool import StepKey, StepPool
 from tlt_jax.rollout.state import DecodeState, RowInit, StepInfo, empty_state, gather_rows, tree_shardings
 from tlt_jax.sampling import sample_tokens, token_keys
@@ -48,7 +50,7 @@ class StepContext:
     cache_dtype: Any
     mesh: Mesh
     rules: LogicalRules
-    drafter_graphdef: Any = None  # EAGLE drafter kept current during plain decoding; params = (policy, drafter)
+    drafter_graphdef: Any = None  # EAGLE drafter (its state in DecodeState.aux); params = (policy, drafter)
     drafter_len: int = 0  # drafter cache slots (max_len + tree scratch); 0 = no drafter state
     report_tokens: bool = False  # info carries the emitted tokens (host-side drafters need the contexts)
 
@@ -68,8 +70,14 @@ class StepContext:
             dtype=self.cache_dtype,
         )
         if self.drafter_len:
-            state = state.replace(aux=init_draft_state(self.config, batch, self.drafter_len, self.cache_dtype))
+            state = state.replace(aux=self.lazy_draft(init_draft_state(self.config, batch, self.drafter_len,
+                                                                       self.cache_dtype)))
         return state
+
+    def lazy_draft(self, draft: DraftState) -> LazyDraft:
+        """``draft`` with an empty hidden-state history [B, max_len, H]."""
+        b = draft.feature.shape[0]
+        return LazyDraft(draft, jnp.zeros((b, self.max_len, self.config.hidden_size), self.cache_dtype))
 
     def abstract_state(self, batch: int) -> DecodeState:
         shapes = jax.eval_shape(lambda: self.empty_state(batch))
@@ -197,7 +205,8 @@ def build_prefill(ctx: StepContext, key: StepKey):
         )
         tok = choose_tokens(logits, state, cache.lengths)
         if drafter is not None:
-            state = state.replace(aux=_prefill_drafter(ctx, model, drafter, out, ids, lens, init, hidden, tok))
+            state = state.replace(aux=ctx.lazy_draft(_prefill_drafter(ctx, model, drafter, out, ids, lens, init,
+                                                                      hidden, tok)))
         state = record(state, tok, logits, hidden, ctx.capture_side)
         return state, step_info(state, jnp.zeros_like(lens[init.src]), int(ctx.report_tokens))
 
@@ -208,36 +217,27 @@ def build_prefill(ctx: StepContext, key: StepKey):
 def build_decode(ctx: StepContext, key: StepKey):
     """Key: ("decode", B, Lb). Args: params, DecodeState [B] (donated). Up to K steps, early exit when all done.
 
-    With an EAGLE drafter the chunk's (hidden, token) pairs are kept and the drafter's cache is extended over all of
-    them at once after the loop (one T = K extend instead of K single-token ones: the same cache, far fewer small
-    operations), so it is current at every chunk boundary, where a speculative step may start."""
+    With an EAGLE drafter each step also records the policy hidden state of its fed token in the drafter's history
+    (one [B, H] write); the drafter itself does not run (it is caught up by the next EAGLE verify, if any)."""
     k, length = ctx.chunk_size, key.length
 
     def step(params, state: DecodeState):
-        model, drafter = ctx.merge(params)
+        model, _ = ctx.merge(params)
         ngen = state.num_generated
-        b = ngen.shape[0]
-        pairs = ()
-        if drafter is not None:
-            pairs = (jnp.zeros((b, k, ctx.config.hidden_size), ctx.cache_dtype), jnp.zeros((b, k), jnp.int32))
 
         def cond(c):
-            i, s, _ = c
+            i, s = c
             return (i < k) & jnp.any(~s.done)
 
         def body(c):
-            i, s, pairs = c
-            s, h, tok = decode_one(model, s, length, ctx.capture_side)
-            if pairs:
-                hs, toks = pairs
-                pairs = (hs.at[:, i].set(h.astype(hs.dtype)), toks.at[:, i].set(tok))
-            return i + 1, s, pairs
+            i, s = c
+            before, active = s.num_generated, ~s.done
+            s, h, _ = decode_one(model, s, length, ctx.capture_side)
+            if ctx.drafter_graphdef is not None:
+                s = s.replace(aux=record_history(s.aux, before, h[:, None], active.astype(jnp.int32)))
+            return i + 1, s
 
-        _, state, pairs = jax.lax.while_loop(cond, body, (jnp.int32(0), state, pairs))
-        if pairs:  # rows emitted num_generated - ngen pairs, consecutive from the chunk's start
-            hs, toks = pairs
-            aux = drafter_extend(model, drafter, state.aux, hs, toks, state.num_generated - ngen, attend_len=length)
-            state = state.replace(aux=aux)
+        _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
         return state, step_info(state, ngen, k if ctx.report_tokens else 0)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())

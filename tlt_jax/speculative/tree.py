@@ -159,8 +159,8 @@ def draft_head(policy, drafter: TreeDrafter):
 class DraftState:
     """The drafter's per-row state between verifications.
 
-    cache: the drafter's own 1-layer KV over committed pairs (h_t, x_{t+1}) for t < length (always equal to the
-    policy cache length); feature [B, H]: the drafter's predicted feature at the root's position (output of its last
+    cache: the drafter's own 1-layer KV over committed pairs (h_t, x_{t+1}) for t < length (the policy cache length
+    whenever a draft starts); feature [B, H]: the drafter's predicted feature at the root's position (output of its last
     extended pair), whose LM-head logits rank the root's children.
     """
 
