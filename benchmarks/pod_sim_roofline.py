@@ -4,7 +4,9 @@ A forward over b rows x q tokens each, reading a cache of L positions, on a tens
 max(bytes / (HBM bandwidth x bw_eff), FLOPs / (peak x flop_eff)) + 2 x layers all-reduces (tp > 1), with bytes =
 bf16 weights / tp + b x L x KV bytes per token / tp and FLOPs = (2 x params x b x q + 4 x layers x heads x head_dim
 x b x q x L) / tp. The engine's calls are built from such forwards: a plain step (policy, plus the EAGLE layer that
-keeps the drafter cache current when a drafter is loaded), a verify step (depth - 1 drafter forwards over top-k
+kept the drafter cache current when a drafter is loaded, as the engine did when this model was validated; the engine
+now runs that layer only at the next EAGLE verify and only for rows still live, so this charge is an upper bound),
+a verify step (depth - 1 drafter forwards over top-k
 tokens with the full LM head, a policy forward over the N-node tree, a drafter extend), prefill, compaction (a
 gather of the dense KV rows), and one host round trip per call.
 """

@@ -3,13 +3,13 @@ the host-side n-gram proposer.
 
 Once a wave's live rows are at most ``SpecConfig.threshold`` the engine runs verify steps instead of plain K-step
 chunks. Both arms read the same DecodeState, so the switch costs no policy work: the policy cache, counters and keys
-carry over, and (EAGLE) the drafter cache in ``DecodeState.aux`` is caught up over the pairs the plain and n-gram
-steps recorded since it last ran (``tlt_jax.rollout.drafter_sync``). A verify step:
+carry over, and (EAGLE) the drafter cache in ``DecodeState.aux`` is caught up over the pairs the prefill, plain and
+n-gram steps recorded since it last ran (``tlt_jax.rollout.drafter_sync``). A verify step:
 
     [EAGLE: drafter caught up] → tree (EAGLE-2 draft on device from the drafter cache | n-gram trie built on the host)
     → one policy forward over the tree (tlt_jax.speculative.verify_tree: Rule S, each token keyed by its position,
       stop tokens / budget truncated exactly as plain decoding) → accepted path written into the tokens, log-probs,
-      hidden capture and KV cache → drafter extended over the emitted tokens (EAGLE) or its history recorded (n-gram).
+      hidden capture and KV cache → drafter extended over the emitted tokens (EAGLE) or their pairs recorded (n-gram).
 
 EAGLE runs up to ``steps_per_call`` verify steps per host round trip (``lax.while_loop``, early exit when every row is
 done); the n-gram arm runs one, since the host builds each tree from the tokens of the previous one.
@@ -28,7 +28,7 @@ import numpy as np
 
 from tlt_jax.adaptive.arms import Arm, parse_arms
 from tlt_jax.adaptive.bandit import BanditConfig
-from tlt_jax.rollout.drafter_sync import LazyDraft, catch_up, pending_pairs, record_history
+from tlt_jax.rollout.drafter_sync import LazyDraft, catch_up, record_pairs
 from tlt_jax.rollout.pool import StepKey, StepPool
 from tlt_jax.rollout.state import DecodeState
 from tlt_jax.rollout.steps import StepContext, step_info
@@ -206,8 +206,7 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
 
     def step(params, state: DecodeState):
         model, drafter = ctx.merge(params)
-        pending = pending_pairs(state.aux, state.cache.lengths, state.done)
-        aux = catch_up(model, drafter, state.aux, state.tokens, state.num_generated, pending, piece=ctx.chunk_size,
+        aux = catch_up(model, drafter, state.aux, state.cache.lengths, state.done, piece=ctx.chunk_size,
                        attend_len=dlen)
         state = state.replace(aux=aux)
         head = draft_head(model, drafter)  # draft-vocabulary rows of the LM head: gathered once per call
@@ -238,13 +237,14 @@ def build_verify_ngram(ctx: StepContext, spec: SpecConfig, key: StepKey):
 
     def step(params, state: DecodeState, tokens, parent, valid):
         model, _ = ctx.merge(params)
-        ngen, active = state.num_generated, ~state.done
+        ngen, active, position = state.num_generated, ~state.done, state.cache.lengths
         tokens = tokens.at[:, 0].set(state.last_token)
         tree = make_tree(tokens, parent, valid, spec.depth)
         out = verify_rows(model, state, tree, spec, length)
         state = commit_verify(state, out, ctx.capture_side)
         if ctx.drafter_graphdef is not None:  # beside EAGLE arms: the drafter catches up over these tokens later
-            state = state.replace(aux=record_history(state.aux, ngen, out.hidden, out.num_emitted))
+            state = state.replace(aux=record_pairs(state.aux, position, out.hidden, jnp.maximum(out.tokens, 0),
+                                                   out.num_emitted))
         acc = jnp.where(active, out.accept_len, 0)
         return state, step_info(state, ngen, spec.depth + 1, verifies=active.astype(jnp.int32), accepted=acc)
 

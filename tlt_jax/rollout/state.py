@@ -20,9 +20,9 @@ NS = stop-token slots, W = hidden-capture window). Every field has the batch on 
   aux            None, or an extension pytree: leaves with the batch on axis 0, or KVCache instances (batch on axis 1);
                  compaction gathers it like the rest. With an EAGLE drafter: a LazyDraft = its DraftState (1-layer
                  KV cache [1, B, S + tree scratch, KV, D] with lengths <= cache.lengths, and the feature [B, H] that
-                 ranks the next root's children) and history [B, M, H], the policy hidden state that produced each
-                 generated token; prefill and EAGLE verify steps extend the drafter, plain and n-gram steps only
-                 write history, and an EAGLE verify step first catches the drafter up over it
+                 ranks the next root's children) and the drafter's input pair at every committed position
+                 (hidden [B, S, H], next_token [B, S]); only EAGLE verify steps run the drafter, first catching it
+                 up over the pairs the prefill, plain and n-gram steps recorded
 
 A token's position in its sequence is prompt_len + i for generated token i; its random key is
 token_keys(seed, request_id, sample_id, position).

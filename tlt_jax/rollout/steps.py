@@ -7,11 +7,11 @@
 - compact: gather surviving rows into a smaller batch bucket (padding rows marked done).
 
 With an EAGLE drafter (``StepContext.drafter_graphdef``) the steps take params = (policy state, drafter state) and
-carry the drafter's state (``DecodeState.aux``, a ``LazyDraft``): prefill extends the drafter over the prompt, plain
-decode chunks only record the policy hidden state of each step (the drafter is caught up over them by the next EAGLE
-verify, ``tlt_jax.rollout.drafter_sync``), so speculative steps can start at any chunk boundary without re-running the
-policy, and plain steps cost what they cost without a drafter. With ``report_tokens`` (host-side n-gram drafting)
-info also carries the tokens the call emitted.
+carry the drafter's state (``DecodeState.aux``, a ``LazyDraft``): prefill and plain decode chunks do not run the
+drafter, they only record its input pairs (the policy's hidden state at each committed position and the next token),
+over which the next EAGLE verify catches it up (``tlt_jax.rollout.drafter_sync``). So speculative steps can start at
+any chunk boundary without re-running the policy, and a wave that never speculates costs what it costs without a
+drafter. With ``report_tokens`` (host-side n-gram drafting) info also carries the tokens the call emitted.
 
 Every step returns (state, info): a packed ``StepInfo`` (done, num_generated[, R emitted tokens]), the one host read per
 round trip.
@@ -29,11 +29,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax.distributed import LogicalRules
 from tlt_jax.models import KVCache, ModelConfig
-from tlt_jax.rollout.drafter_sync import LazyDraft, record_history
+from tlt_jax.rollout.drafter_sync import LazyDraft, record_pairs
 from tlt_jax.rollout.pool import StepKey, StepPool
 from tlt_jax.rollout.state import DecodeState, RowInit, StepInfo, empty_state, gather_rows, tree_shardings
 from tlt_jax.sampling import sample_tokens, token_keys
-from tlt_jax.speculative.tree import DraftState, drafter_extend, drafter_prefill, init_draft_state
+from tlt_jax.speculative.tree import init_draft_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +70,14 @@ class StepContext:
             dtype=self.cache_dtype,
         )
         if self.drafter_len:
-            state = state.replace(aux=self.lazy_draft(init_draft_state(self.config, batch, self.drafter_len,
-                                                                       self.cache_dtype)))
+            hidden = jnp.zeros((batch, self.max_len, self.config.hidden_size), self.cache_dtype)
+            state = state.replace(aux=self.lazy_draft(hidden, jnp.zeros((batch, self.max_len), jnp.int32)))
         return state
 
-    def lazy_draft(self, draft: DraftState) -> LazyDraft:
-        """``draft`` with an empty hidden-state history [B, max_len, H]."""
-        b = draft.feature.shape[0]
-        return LazyDraft(draft, jnp.zeros((b, self.max_len, self.config.hidden_size), self.cache_dtype))
+    def lazy_draft(self, hidden: jax.Array, next_token: jax.Array) -> LazyDraft:
+        """An empty drafter (cache length 0) with the recorded pairs hidden [B, S, H], next_token [B, S]."""
+        draft = init_draft_state(self.config, next_token.shape[0], self.drafter_len, self.cache_dtype)
+        return LazyDraft(draft, hidden, next_token)
 
     def abstract_state(self, batch: int) -> DecodeState:
         shapes = jax.eval_shape(lambda: self.empty_state(batch))
@@ -157,17 +157,15 @@ def step_info(state: DecodeState, ngen_before: jax.Array | None = None, width: i
     return StepInfo(state.done, state.num_generated, verifies, accepted, tokens).pack()
 
 
-def _prefill_drafter(ctx: StepContext, model, drafter, out, ids, lens, init: RowInit, hidden, tok) -> DraftState:
-    """Drafter cache over the prompt: pairs (h_t, x_{t+1}) for t < P-1 once per prompt, forked into the rows, then
-    each row's pair (h_{P-1}, first sampled token)."""
-    bp, p = ids.shape
-    ds = init_draft_state(ctx.config, bp, p, ctx.cache_dtype)
-    ds = drafter_prefill(model, drafter, ds, out.hidden, ids, lens - 1)
-    forked = ds.cache.gather(init.src)
-    pad = ((0, 0), (0, 0), (0, ctx.drafter_len - p), (0, 0), (0, 0))
-    cache = KVCache(jnp.pad(forked.k, pad), jnp.pad(forked.v, pad), forked.lengths)
-    ds = DraftState(cache, ds.feature[init.src])
-    return drafter_extend(model, drafter, ds, hidden[:, None], tok[:, None], init.valid.astype(jnp.int32), attend_len=p)
+def _prompt_pairs(ctx: StepContext, out, ids, lens, init: RowInit, tok) -> LazyDraft:
+    """The drafter's pairs over each row's prompt: (h_t, ids_{t+1}) for t < P-1 and (h_{P-1}, first sampled token),
+    recorded for the first EAGLE verify's catch-up (the drafter itself does not run here)."""
+    p, s_max = ids.shape[1], ctx.max_len
+    hidden = jnp.pad(out.hidden[init.src].astype(ctx.cache_dtype), ((0, 0), (0, s_max - p), (0, 0)))
+    nxt = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)[init.src]
+    nxt = jnp.pad(nxt, ((0, 0), (0, s_max - p)))
+    nxt = nxt.at[jnp.arange(nxt.shape[0]), lens[init.src] - 1].set(tok)
+    return ctx.lazy_draft(hidden, nxt)
 
 
 def build_prefill(ctx: StepContext, key: StepKey):
@@ -205,8 +203,7 @@ def build_prefill(ctx: StepContext, key: StepKey):
         )
         tok = choose_tokens(logits, state, cache.lengths)
         if drafter is not None:
-            state = state.replace(aux=ctx.lazy_draft(_prefill_drafter(ctx, model, drafter, out, ids, lens, init,
-                                                                      hidden, tok)))
+            state = state.replace(aux=_prompt_pairs(ctx, out, ids, lens, init, tok))
         state = record(state, tok, logits, hidden, ctx.capture_side)
         return state, step_info(state, jnp.zeros_like(lens[init.src]), int(ctx.report_tokens))
 
@@ -217,8 +214,9 @@ def build_prefill(ctx: StepContext, key: StepKey):
 def build_decode(ctx: StepContext, key: StepKey):
     """Key: ("decode", B, Lb). Args: params, DecodeState [B] (donated). Up to K steps, early exit when all done.
 
-    With an EAGLE drafter each step also records the policy hidden state of its fed token in the drafter's history
-    (one [B, H] write); the drafter itself does not run (it is caught up by the next EAGLE verify, if any)."""
+    With an EAGLE drafter each step also records the drafter's pair of its position (the fed token's hidden state,
+    the sampled token: one [B, H] write); the drafter itself does not run (the next EAGLE verify, if any, catches it
+    up)."""
     k, length = ctx.chunk_size, key.length
 
     def step(params, state: DecodeState):
@@ -231,10 +229,10 @@ def build_decode(ctx: StepContext, key: StepKey):
 
         def body(c):
             i, s = c
-            before, active = s.num_generated, ~s.done
-            s, h, _ = decode_one(model, s, length, ctx.capture_side)
+            position, active = s.cache.lengths, ~s.done
+            s, h, tok = decode_one(model, s, length, ctx.capture_side)
             if ctx.drafter_graphdef is not None:
-                s = s.replace(aux=record_history(s.aux, before, h[:, None], active.astype(jnp.int32)))
+                s = s.replace(aux=record_pairs(s.aux, position, h[:, None], tok[:, None], active.astype(jnp.int32)))
             return i + 1, s
 
         _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
