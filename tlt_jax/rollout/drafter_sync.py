@@ -5,8 +5,8 @@ committed position's drafter pair: the policy's final-normed hidden state there 
 next token, or the token sampled from it). The drafter's KV cache is caught up over the recorded pairs at the start
 of the next EAGLE verify step, in pieces of a fixed size, and an EAGLE verify extends it over its own emitted tokens,
 so its rows stay current. Rows that finish, or whose wave never speculates, never pay for the drafter, not even over
-their prompt. Drafts only propose, so when the catch-up runs cannot change an emitted token (the verification is
-exact); it changes no draft either beyond rounding, since the same pairs reach the same cache positions.
+their prompt. Drafts only propose, so the timing of the catch-up cannot change an emitted token (the verification
+is exact); nor does it change a draft beyond rounding, since the same pairs reach the same cache positions.
 """
 
 from __future__ import annotations

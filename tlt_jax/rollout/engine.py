@@ -53,7 +53,7 @@ class RolloutEngine:
     place; may be changed between calls). tail_threshold: chunks with at most this many live rows count as tail.
     capture: keep hidden states of a window of every finished sample (see HiddenCapture; its max_bytes may be
     changed between calls, window and side are compiled in). compiler_options: passed to every XLA compile.
-    drafter: None, an EagleDrafter (plain steps only record the policy's hidden states, over which the drafter is
+    drafter: None, an EagleDrafter (prefill and plain steps only record its input pairs, over which the drafter is
     caught up before it drafts EAGLE-2 trees on device), or "ngram" (trees from the row's prompt + output and its
     GRPO siblings, built on the host).
     spec: the tree shape (or adaptive ``arms``: "ngram" arms need no drafter object, "eagle" arms an EagleDrafter)
