@@ -2,7 +2,12 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# Tiny models: XLA's CPU backend spends far longer optimising a program than running it, so the tests (and the
+# processes they start, which inherit the environment) compile with LLVM's cheap pipeline; CI starts cold.
+_FAST_COMPILE = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _FAST_COMPILE
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE = os.environ.setdefault(
     "TLT_JAX_COMPILATION_CACHE", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache")
