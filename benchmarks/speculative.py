@@ -20,11 +20,12 @@ of its two passes). Every speculative run is checked token for token against the
 excluded); ``decode_speedup`` leaves out the prefill (the same work in every arm). Reports, per (temperature,
 drafter), the best speedup by batch and the smallest batch from which no configuration beats plain.
 
-Adaptive engine (--adaptive): one RolloutEngine holding both drafters, ``SpecConfig(arms=("off", every fixed arm of the
-batch))``, its bandit fresh for every (batch, temperature), run after the fixed arms in every interleaved pass. Its
-first pass is "cold" (it pays its learning; an extra pass before the --repeats ones); in the --repeats passes after it,
-it is "warm" (the same bandit, the steady state, as in RL where the bandit carries across steps) and, like every arm,
-timed by the median over those passes: side by side with plain and the best fixed arm on the same passes.
+Adaptive engine (--adaptive): one RolloutEngine holding both drafters, ``SpecConfig(arms=("off", every fixed arm of
+the batch))`` with the engine's default speculation gate (at most 32 live rows, as in TLT; --adaptive_threshold), its
+bandit fresh for every (batch, temperature), run after the fixed arms in every interleaved pass. Its first pass is
+"cold" (it pays its learning; an extra pass before the --repeats ones); in the --repeats passes after it, it is "warm"
+(the same bandit, the steady state, as in RL where the bandit carries across steps) and, like every arm, timed by the
+median over those passes: side by side with plain and the best fixed arm on the same passes.
 
 --off_overhead: only the "off" arm's cost in an adaptive engine with an EAGLE drafter (its plain steps record the
 policy's hidden states for the drafter's later catch-up) against the plain engine, same prompts and forced lengths.
@@ -69,6 +70,8 @@ flags.DEFINE_integer("repeats", 1, "interleaved passes per cell; each arm's time
 flags.DEFINE_bool("breakdown", True, "time the parts of one step at batch 1 (plain step; EAGLE draft, verify, extend)")
 flags.DEFINE_bool("adaptive", True, "also run the adaptive engine: a bandit over off + every fixed arm of the batch")
 flags.DEFINE_float("epsilon", 0.1, "adaptive: exploration probability")
+flags.DEFINE_integer("adaptive_threshold", None, "adaptive: the speculation gate's threshold (live rows at or under "
+                     "which the bandit may speculate; default SpecConfig's, 32, as in TLT; 0 < value)")
 flags.DEFINE_float("margin", 0.1, "adaptive: explore only arms within this fraction of the best (BanditConfig.margin)")
 flags.DEFINE_bool("off_overhead", False, "only measure the adaptive engine's 'off' arm against plain (its plain "
                   "steps record hidden states for the drafter) at --batches, then exit")
@@ -385,8 +388,8 @@ def main(argv):
                 arms=bandit_arms,
                 epsilon=_F.epsilon,
                 margin=_F.margin,
-                threshold=max_batch,
                 steps_per_call=_F.steps_per_call,
+                **({} if _F.adaptive_threshold is None else dict(threshold=_F.adaptive_threshold)),
             )
             ada = RolloutEngine(policy, drafter=drafters.get("eagle"), spec=spec, max_batch=max_batch, max_len=max_len)
         for temp in (float(t) for t in _F.temperatures):
@@ -436,7 +439,9 @@ def write(rows, breakdown, drafters, split, t_start, final: bool) -> None:
     meta = {"model": _F.model or "SmolLM2-135M-Instruct (embedded)", "drafter": str(_drafter_dir() or ""),
             "prompts": split or "tiny",
             "device": str(jax.devices()[0]), "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
-            "jax": jax.__version__, "dtype": "float32", "steps_per_call": _F.steps_per_call, "complete": final,
+            "jax": jax.__version__, "dtype": "float32", "steps_per_call": _F.steps_per_call,
+            "adaptive_threshold": SpecConfig.threshold if _F.adaptive_threshold is None else _F.adaptive_threshold,
+            "complete": final,
             "total_seconds": time.perf_counter() - t_start, "load_average_end": os.getloadavg()}
     if "eagle" in drafters and (pathlib.Path(_drafter_dir()) / "warmup.json").exists():
         meta["warmup"] = json.loads((pathlib.Path(_drafter_dir()) / "warmup.json").read_text())
