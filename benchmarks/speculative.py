@@ -71,7 +71,7 @@ flags.DEFINE_bool("breakdown", True, "time the parts of one step at batch 1 (pla
 flags.DEFINE_bool("adaptive", True, "also run the adaptive engine: a bandit over off + every fixed arm of the batch")
 flags.DEFINE_float("epsilon", 0.1, "adaptive: exploration probability")
 flags.DEFINE_integer("adaptive_threshold", None, "adaptive: the speculation gate's threshold (live rows at or under "
-                     "which the bandit may speculate; default SpecConfig's, 32, as in TLT; 0 < value)")
+                     "which the bandit may speculate; default SpecConfig's, 32, as in TLT; 0 = never)")
 flags.DEFINE_float("margin", 0.1, "adaptive: explore only arms within this fraction of the best (BanditConfig.margin)")
 flags.DEFINE_bool("off_overhead", False, "only measure the adaptive engine's 'off' arm against plain (its plain "
                   "steps record hidden states for the drafter) at --batches, then exit")
