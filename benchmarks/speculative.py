@@ -114,10 +114,12 @@ def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -
     copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
 
     def step_ms(engine, phase: str, arm: str, reps: int = 15) -> float:
-        """The compiled step as the engine runs it (state donated): each call gets its own copy, made untimed."""
+        """The compiled step as the engine runs it (state donated): each call gets its own copy, made untimed. The
+        copies are of the state after one untimed call, so an EAGLE step's drafter is already caught up over the
+        prompt (the lazy drafter cache: a fresh prefill leaves that to the first verify step)."""
         state = prefilled(engine)
         exe = engine.pool.get(StepKey(phase, 1, length, arm), engine.step_params(), state)
-        jax.block_until_ready(exe(engine.step_params(), copy(state)))
+        state = jax.block_until_ready(exe(engine.step_params(), copy(state)))[0]
         times = []
         for _ in range(reps):
             fresh = jax.block_until_ready(copy(state))
@@ -151,7 +153,7 @@ def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -
             fused_ms=step_ms(engine, "verify", engine.spec_arm),
         )
 
-    fwd = jax.jit(lambda p, c_, i, m: jnp.argmax(p(i, cache=c_.view(length), tree_mask=m).logits, -1))
+    fwd = jax.jit(lambda p, c_, i, m: jnp.argmax(p(i, cache=c_, tree_mask=m, attend_len=length).logits, -1))
     for t in (1, 2, 4, 5, 7, 8, 16):  # the policy forward alone, over t chained tokens after the prompt
         ids = jnp.zeros((1, t), jnp.int32)
         mask = jnp.tril(jnp.ones((1, t, t), bool))
