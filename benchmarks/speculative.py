@@ -25,7 +25,9 @@ the batch))`` with the engine's default speculation gate (at most 32 live rows, 
 bandit fresh for every (batch, temperature), run after the fixed arms in every interleaved pass. Its first pass is
 "cold" (it pays its learning; an extra pass before the --repeats ones); in the --repeats passes after it, it is "warm"
 (the same bandit, the steady state, as in RL where the bandit carries across steps) and, like every arm, timed by the
-median over those passes: side by side with plain and the best fixed arm on the same passes.
+median over those passes: side by side with plain and the best fixed arm on the same passes. The rows also keep
+plain's A/A ratios (its second run of a pass over its first: how far two equal runs differ on this machine) and the
+adaptive engine's speedup over plain pass by pass.
 
 --off_overhead: only the "off" arm's cost in an adaptive engine with an EAGLE drafter (its plain steps record the
 policy's hidden states for the drafter's later catch-up) against the plain engine, same prompts and forced lengths.
@@ -278,8 +280,9 @@ class _Tally:
         # of a tree step to a plain step, which with the accept length gives the speedup.
         total = getattr(self, "decode_seconds_total", self.decode_seconds)  # adaptive warm: over all warm passes
         ms = 1000 * total / self.steps if self.steps else None
+        aa = dict(aa_ratios=self.aa_ratios) if hasattr(self, "aa_ratios") else {}
         return dict(mean_accept=accept, compile_seconds=self.compile_s, steps=self.steps, ms_per_step=ms,
-                    seconds_passes=self.seconds_passes or [self.seconds])
+                    seconds_passes=self.seconds_passes or [self.seconds], **aa)
 
 
 def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1, adaptive=None):
@@ -308,6 +311,7 @@ def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1, adap
         plain = tallies["plain"]
         if again.tokens != plain.tokens or (passes and plain.tokens != passes[0]["plain"].tokens):
             raise AssertionError("plain decoding is not deterministic across passes")
+        plain.aa_ratio = again.seconds / plain.seconds  # an A/A pair: the machine's noise between two equal runs
         plain.seconds = (plain.seconds + again.seconds) / 2
         plain.decode_seconds = (plain.decode_seconds + again.decode_seconds) / 2
         if adaptive is not None:
@@ -325,6 +329,8 @@ def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1, adap
         if any(p[key].tokens != passes[0][key].tokens for p in passes):
             raise AssertionError(f"{key}: tokens differ between repeated passes")
         t.seconds_passes = [p[key].seconds for p in passes]
+        if key == "plain":
+            t.aa_ratios = [p[key].aa_ratio for p in passes]
         t.seconds = float(np.median(t.seconds_passes))
         t.decode_seconds = float(np.median([p[key].decode_seconds for p in passes]))
         if key == "adaptive":  # the arm steps and verifies of every warm pass together
@@ -404,7 +410,8 @@ def main(argv):
                         plain_seconds=t_plain, plain_tokens_per_s=n_tok / t_plain, load_average=os.getloadavg())
             rows.append(dict(base, drafter="none", config="plain", seconds=t_plain, tokens_per_s=n_tok / t_plain,
                              speedup=1.0, decode_seconds=d_plain, decode_speedup=1.0, lossless=True, **pt.stats()))
-            print(f"b={b:2d} T={temp}: plain {n_tok / t_plain:7.1f} tok/s ({n_tok} tokens)", flush=True)
+            print(f"b={b:2d} T={temp}: plain {n_tok / t_plain:7.1f} tok/s ({n_tok} tokens); A/A (plain's 2nd run / "
+                  f"1st, per pass) {', '.join(f'{r:.3f}' for r in pt.stats()['aa_ratios'])}", flush=True)
             for (name, c), tl in tallies.items():
                 t, lossless = tl.seconds, tl.tokens == pt.tokens
                 ref, dref = (tl.ref_seconds, tl.ref_decode_seconds) if name == "adaptive" else (t_plain, d_plain)
@@ -415,6 +422,9 @@ def main(argv):
                 if name == "adaptive":  # speedups against plain of the same pass
                     rows[-1].update(arm_steps=tl.arm_steps, bandit_choices=tl.choices, plain_seconds_pass=ref,
                                     bandit_best=ada.bandit.stats()["best"], arms=list(bandit_arms))
+                    if c == "warm":  # plain's time over the adaptive engine's, pass by pass
+                        rows[-1]["speedup_passes"] = [p / a for p, a in zip(pt.seconds_passes, tl.seconds_passes,
+                                                                            strict=True)]
                     label = ("adaptive, cold (1st pass, fresh bandit)" if c == "cold"
                              else f"adaptive, warm (median of {_F.repeats} passes)")
                 print(f"b={b:2d} T={temp}: {label}: accept {tl.stats()['mean_accept']:.2f} tok/verify, "
@@ -422,7 +432,9 @@ def main(argv):
                       f"{n_tok / t:7.1f} tok/s, {ref / t:.2f}x plain "
                       f"(decode only {dref / tl.decode_seconds:.2f}x), lossless={lossless}", flush=True)
                 if name == "adaptive":
-                    print(f"    arm steps {tl.arm_steps}; bandit choices {tl.choices}", flush=True)
+                    per = rows[-1].get("speedup_passes")
+                    print(f"    arm steps {tl.arm_steps}; bandit choices {tl.choices}"
+                          + (f"; x plain per pass {', '.join(f'{r:.3f}' for r in per)}" if per else ""), flush=True)
                 write(rows, breakdown, drafters, split, t_start, final=False)  # partial results survive a kill
     write(rows, breakdown, drafters, split, t_start, final=True)
 
