@@ -52,7 +52,9 @@ def main() -> None:
     ap.add_argument("--modes", default="static,adaptive",
                     help="static, adaptive, adaptive_hot (adaptive with drafter.hot_swap: needs --slices >= 2)")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
+    ap.add_argument("--workdir", default=None,
+                    help="default: a fresh temporary directory; an earlier run's resumes each mode from its last "
+                    "checkpoint (a larger --steps continues the runs; wall_s then counts only the new steps)")
     args = ap.parse_args()
 
     from tlt_jax.main import _enable_compilation_cache, run
