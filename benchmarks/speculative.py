@@ -259,6 +259,7 @@ class _Tally:
     def __init__(self):
         self.tokens, self.seconds, self.verifies, self.spec_tokens, self.compile_s, self.steps = [], 0.0, 0, 0, 0.0, 0
         self.decode_seconds, self.seconds_passes, self.arm_steps = 0.0, [], {}
+        self.aa_ratios: list[float] = []  # plain only: its second run of each pass over its first
 
     def run(self, engine: RolloutEngine, group, params: SamplingParams) -> None:
         res = engine.generate(group, params)
@@ -280,7 +281,7 @@ class _Tally:
         # of a tree step to a plain step, which with the accept length gives the speedup.
         total = getattr(self, "decode_seconds_total", self.decode_seconds)  # adaptive warm: over all warm passes
         ms = 1000 * total / self.steps if self.steps else None
-        aa = dict(aa_ratios=self.aa_ratios) if hasattr(self, "aa_ratios") else {}
+        aa = dict(aa_ratios=self.aa_ratios) if self.aa_ratios else {}
         return dict(mean_accept=accept, compile_seconds=self.compile_s, steps=self.steps, ms_per_step=ms,
                     seconds_passes=self.seconds_passes or [self.seconds], **aa)
 
