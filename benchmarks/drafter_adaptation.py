@@ -8,8 +8,10 @@ GSM-style responses), with a policy learning rate high enough that the policy dr
 the first chunk: 8 rows are under the switch threshold), so accept lengths compare like for like; speculative
 decoding is lossless, so both runs sample the same tokens (checked per step: response lengths and rewards; an fp32
 near-tie between differently shaped verify passes can still flip a sample, and the steps where that happened are
-reported). Writes benchmarks/results/drafter_adaptation.json; the adaptive run's workdir keeps its plots
-(timeline.png: one step's slices busy / idle / training).
+reported). The final greedy evaluation of each run (the final policy, the same in both, on the held-out prompts)
+reports its accept length too: the drafters compared on more and fixed prompts. Writes
+benchmarks/results/drafter_adaptation.json; the adaptive run's workdir keeps its plots (timeline.png: one step's
+slices busy / idle / training).
 
     python benchmarks/drafter_adaptation.py --steps 8 --lr 2e-5
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/drafter_adaptation.py --slices 2 \
@@ -100,7 +102,9 @@ def main() -> None:
         t0 = time.perf_counter()
         cfg = load_config("gsm8k", {**common, **extra})
         run(cfg, str(root / name))
-        rows = [r for r in read_metrics(str(root / name)) if r["kind"] == "train"]
+        every = read_metrics(str(root / name))
+        rows = [r for r in every if r["kind"] == "train"]
+        final = [r for r in every if r["kind"] == "final"][-1:]  # the held-out greedy evaluation at the end
         out["modes"][name] = {
             "accept_length": [r["rollout/accept_length"] for r in rows],
             "reward_mean": [r["reward/mean"] for r in rows],
@@ -114,6 +118,8 @@ def main() -> None:
             "overhang_s": [r.get("controller/overhang_s") for r in rows],
             "tail_s": [r["time/tail_s"] for r in rows],
             "kl_to_start": [r.get("train/kl_loss") for r in rows],
+            "final_eval": {k.removeprefix("eval/"): final[0].get(k) for k in ("eval/accuracy", "eval/accept_length")}
+            if final else None,
             "wall_s": time.perf_counter() - t0,
         }
     s = out["modes"]["static"]
@@ -133,6 +139,8 @@ def main() -> None:
         if name != "static":
             m["ratio_last"] = m["accept_length"][-1] / s["accept_length"][-1]
             m["ratio_second_half"] = sum(m["accept_length"][half:]) / sum(s["accept_length"][half:])
+            if (m["final_eval"] or {}).get("accept_length") and (s["final_eval"] or {}).get("accept_length"):
+                m["ratio_final_eval"] = m["final_eval"]["accept_length"] / s["final_eval"]["accept_length"]
     trained = [n for n in names if n != "static"]
     if trained:  # one step's slices busy / idle / training, kept beside the JSON
         png = root / trained[-1] / "plots" / "timeline.png"
@@ -150,6 +158,10 @@ def main() -> None:
         m = out["modes"][n]
         print(f"{n} / static accept: last step {m['ratio_last']:.2f}, second half {m['ratio_second_half']:.2f}; "
               f"drafter {sum(m['drafter_train_s']):.1f} s over the run")
+        if "ratio_final_eval" in m:
+            print(f"{n} / static accept on the held-out prompts (final greedy evaluation, step "
+                  f"{len(s['accept_length'])}): {m['final_eval']['accept_length']:.2f} / "
+                  f"{s['final_eval']['accept_length']:.2f} = {m['ratio_final_eval']:.2f}")
     print(f"same rollouts: {out['same_rollouts']} (steps whose samples differ between runs: "
           f"{out['steps_with_other_samples'] or 'none'}); {args.out}")
 

@@ -41,7 +41,7 @@ def test_window_tokens_line_up_with_hidden_positions():
     seg = b.segment_ids[0] > 0
     np.testing.assert_array_equal(b.targets[0, seg, 0] - b.features[0, seg, 0], np.ones(6))
     assert set(b.next_tokens[0, seg].tolist()) == {20, 21, 22, 23}
-    with pytest.raises(ValueError, match="does not fit 5 generated tokens"):
+    with pytest.raises(ValueError, match="does not fit 3 prompt and 5 generated tokens"):
         buf.add(prompt, gen, np.zeros((4, H), np.float32), 3)
     assert not buf.add(prompt, gen, np.zeros((1, H), np.float32), 4) and buf.skipped == 1  # no pair in 1 position
 
@@ -108,3 +108,28 @@ def test_add_result_and_seeded_batches():
         buf.add_result(prompts, RolloutResult(tokens, [], [], {}))
     with pytest.raises(ValueError, match="max_bytes"):
         DrafterBuffer(max_bytes=0)
+
+
+def test_prompt_context_is_attended_but_not_trained_on():
+    """A window reaching 2 positions into the prompt (hidden_start -2): its ids start 2 tokens before the prompt's last,
+    its pairs predicting prompt tokens are packed (context) with no loss, in training and held-out batches alike, and
+    a window may not start before the prompt."""
+    buf = DrafterBuffer(max_bytes=10_000)
+    buf.start_step(1)
+    prompt, gen = [10, 11, 12, 13], [20, 21, 22]
+    hid = np.zeros((5, H), np.float32)
+    hid[:, 0] = np.arange(5)
+    assert buf.add(prompt, gen, hid, -2)
+    s = buf.samples[0]
+    np.testing.assert_array_equal(s.ids, [11, 12, 13, 20, 21])
+    assert s.response_start == 3
+    b = buf.batch(row_len=8, num_rows=1, seed=0)
+    seg = b.segment_ids[0] > 0
+    np.testing.assert_array_equal(b.next_tokens[0, seg], [12, 13, 20, 21])
+    np.testing.assert_array_equal(b.loss_mask[0, seg], [0, 0, 1, 1])  # no loss on predicting the prompt
+    held_out = buf.step_batch(1, row_len=8, num_rows=1)  # the held-out top-1's batch: scored on the same pairs
+    np.testing.assert_array_equal(held_out.loss_mask, b.loss_mask)
+    assert buf.step_batch(2, row_len=8, num_rows=1) is None
+    with pytest.raises(ValueError, match="does not fit 4 prompt and 3 generated tokens"):
+        buf.add(prompt, gen, np.zeros((5, H), np.float32), -4)
+    assert not buf.add(prompt, gen, np.zeros((3, H), np.float32), -2) and buf.skipped == 1  # context only, no pair

@@ -341,9 +341,10 @@ def _tiny_drafter(cfg, path, **overrides):
 
 def test_speculative_rollouts_leave_training_unchanged(tmp_path):
     """n-gram and EAGLE tree speculative decoding in the rollout: same samples, so identical losses / rewards / KL
-    (old log-probs are recomputed by the policy, never taken from the rollout); the accept length is reported."""
+    (old log-probs are recomputed by the policy, never taken from the rollout); the accept length is reported, for
+    the rollouts and the final evaluation."""
     common = ("--config.train.num_steps=3", "--config.eval.at_start=False", "--config.metrics.tensorboard=False")
-    run(_cfg("tiny.py", *common), str(tmp_path / "plain"))
+    assert "eval/accept_length" not in run(_cfg("tiny.py", *common), str(tmp_path / "plain"))
     drafter = _tiny_drafter(_cfg("tiny.py"), tmp_path / "drafter")
     runs = {
         "ngram": ("--config.rollout.speculative=ngram", "--config.rollout.spec_threshold=32"),
@@ -357,7 +358,8 @@ def test_speculative_rollouts_leave_training_unchanged(tmp_path):
     }
     plain = _train_rows(tmp_path / "plain")
     for mode, overrides in runs.items():
-        run(_cfg("tiny.py", *common, *overrides), str(tmp_path / mode))
+        final = run(_cfg("tiny.py", *common, *overrides), str(tmp_path / mode))
+        assert final["eval/accept_length"] >= 1.0, (mode, final)  # the held-out greedy evaluation speculates too
         sd = _train_rows(tmp_path / mode)
         for step in (1, 2, 3):
             assert sd[step]["rollout/accept_length"] >= 1.0 and sd[step]["rollout/verify_steps"] > 0, (mode, step)

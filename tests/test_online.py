@@ -97,6 +97,8 @@ def test_online_config_errors(tmp_path):
         _cfg("tiny.py", "--config.rollout.num_slices=0")
     with pytest.raises(ConfigError, match=r"config.drafter.buffer_bytes: must be > 0"):
         _cfg("tiny.py", "--config.drafter.buffer_bytes=0")
+    with pytest.raises(ConfigError, match=r"config.drafter.prompt_context: must be >= 0 prompt positions"):
+        _cfg("tiny.py", "--config.drafter.prompt_context=-1")
     with pytest.raises(ConfigError, match=r"config.rollout.num_slices: 3 does not divide the mesh's data axis \(8"):
         run(_cfg("tiny.py", *QUIET, "--config.rollout.num_slices=3", "--config.train.num_steps=1"), str(tmp_path))
     with pytest.raises(ConfigError, match=r"config.drafter.rows: 4 does not split over a slice's 8 .*multiple of 8"):
@@ -104,15 +106,26 @@ def test_online_config_errors(tmp_path):
                  "--config.train.num_steps=1"), str(tmp_path / "b"))
 
 
+def test_prompt_context_reaches_the_drafter_buffer(tmp_path):
+    """drafter.prompt_context: each buffered window (whole responses here: drafter.window is the cap of 16) starts
+    that many positions before the prompt's last token (capped by the 8-token prompts), as context, not targets."""
+    for ctx, want in ((0, 0), (3, 3), (128, 7)):
+        run(_cfg("tiny.py", *QUIET, *TREE, "--config.drafter.online=True", "--config.train.num_steps=1",
+                 f"--config.drafter.prompt_context={ctx}"), str(tmp_path / str(ctx)))
+        with np.load(tmp_path / str(ctx) / "drafter_buffer" / "step_1.npz") as z:
+            assert len(z["lengths"]) > 0 and set(z["response_starts"].tolist()) == {1 + want}, ctx
+            assert (z["lengths"] >= want + 2).all(), ctx  # the context plus >= 2 positions from the prompt's last
+
+
 @pytest.mark.slow
 def test_online_training_raises_the_accept_length_of_a_fresh_drafter(tmp_path):
     """From a freshly initialised drafter, while the tiny policy converges on its target token: with 8 drafter steps
     after every rollout the accept length climbs; with none (steps_without_idle=0 on one slice: no slice is ever
-    idle) it stays where a random drafter is."""
+    idle) it stays where a random drafter is, in the rollouts and in the final held-out evaluation."""
     common = ("--config.train.num_steps=16", *QUIET, *TREE, "--config.drafter.online=True", "--config.drafter.lr=3e-3",
               "--config.checkpoint.every_steps=100")
-    run(_cfg("tiny.py", *common, "--config.drafter.steps_without_idle=8"), str(tmp_path / "adapt"))
-    run(_cfg("tiny.py", *common, "--config.drafter.steps_without_idle=0"), str(tmp_path / "static"))
+    final = {"adapt": run(_cfg("tiny.py", *common, "--config.drafter.steps_without_idle=8"), str(tmp_path / "adapt")),
+             "static": run(_cfg("tiny.py", *common, "--config.drafter.steps_without_idle=0"), str(tmp_path / "static"))}
     acc = {name: [r["rollout/accept_length"] for _, r in sorted(_train_rows(tmp_path / name).items())]
            for name in ("adapt", "static")}
     steps = {name: [r["drafter/steps"] for r in _train_rows(tmp_path / name).values()] for name in acc}
@@ -126,6 +139,9 @@ def test_online_training_raises_the_accept_length_of_a_fresh_drafter(tmp_path):
     top1 = {name: [r["drafter/top1"] for _, r in sorted(_train_rows(tmp_path / name).items())] for name in acc}
     print({k: np.round(v, 2).tolist() for k, v in top1.items()})
     assert last(top1["adapt"]) > first(top1["adapt"]) + 0.3 and last(top1["static"]) < 0.3, top1
+    # The final greedy evaluation (same held-out prompts, same final policy in both runs) tells the drafters apart too.
+    held_out = {name: f["eval/accept_length"] for name, f in final.items()}
+    assert held_out["adapt"] > 1.5 * held_out["static"], held_out
 
 
 @pytest.mark.slow

@@ -141,7 +141,7 @@ def test_tokens_independent_of_batch_compaction_and_chunk_size(engine, model, sa
         max_len=MAX_LEN,
         chunk_size=1,
         length_buckets=(64,),
-        capture=HiddenCapture(window=4, side="first"),
+        capture=HiddenCapture(window=4, side="first", prompt=3),
         compiler_options=FAST,
     )
     res = k1.generate(PROMPTS, SAMPLED)
@@ -152,11 +152,15 @@ def test_tokens_independent_of_batch_compaction_and_chunk_size(engine, model, sa
     assert len(res.stats["prefills"]) == 2
     # K=1: one step per chunk; the first token of each row comes from prefill.
     assert res.stats["steps"] == len(res.stats["chunks"]) == (max(MAX_NEW[:2]) - 1) + (max(MAX_NEW[2:]) - 1)
-    # side="first": the window is the first w generated tokens.
-    _, hid = Reference(model)(PROMPTS[1] + res.tokens[1][0])
-    p = len(PROMPTS[1])
-    assert res.hidden_start[1][0] == 0 and res.hidden[1][0].shape == (4, model.config.hidden_size)
-    np.testing.assert_allclose(res.hidden[1][0], hid[p - 1 : p + 3], atol=1e-5)
+    # side="first": the window is the first w generated tokens, extended back over up to 3 prompt positions (prompt
+    # 1 has 3 tokens: 2 positions before its last; prompt 2 has 9) with the prefill's hidden states.
+    for i, c in ((1, 2), (2, 3)):
+        _, hid = Reference(model)(PROMPTS[i] + res.tokens[i][0])
+        p = len(PROMPTS[i])
+        assert res.hidden_start[i][0] == -c and res.hidden[i][0].shape == (c + 4, model.config.hidden_size)
+        np.testing.assert_allclose(res.hidden[i][0], hid[p - 1 - c : p + 3], atol=1e-5)
+    windows = [min(3, len(q) - 1) + min(4, m) for q, m in zip(PROMPTS, MAX_NEW, strict=True)]
+    assert res.stats["hidden_bytes"] == sum(windows) * 2 * model.config.hidden_size * 4
 
 
 def test_hidden_capture_window_and_cap(engine, sampled, ref):

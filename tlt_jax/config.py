@@ -250,7 +250,10 @@ class DrafterConfig:
     hidden states of the current and previous step's responses (a buffer of ``buffer_bytes``), on slices that
     finished their rollout share early, plus ``steps_without_idle`` steps after the rollout on slice 0 (one slice
     is never idle). Each drafter step packs ``rows`` x ``row_len`` tokens of the last ``window`` positions of each
-    response. Rollout samples do not change (verification is lossless); only the accept length does."""
+    response; a response that fits the window comes with up to ``prompt_context`` positions of its prompt before it,
+    attended to but not trained on (when drafting, the drafter attends to the prompt too; without it, short
+    responses that copy numbers from the question train the drafter to guess them). Rollout samples do not change
+    (verification is lossless); only the accept length does."""
 
     online: bool = False
     lr: float = 3e-4
@@ -259,6 +262,7 @@ class DrafterConfig:
     steps_without_idle: int = 4
     rows: int = 8
     row_len: int = 256
+    prompt_context: int = 128
     hot_swap: bool = False  # publish each drafter step to the slices still decoding (at their next chunk)
 
     def validate(self, key: str) -> None:
@@ -268,6 +272,8 @@ class DrafterConfig:
         _require(self.steps_without_idle >= 0, f"{key}.steps_without_idle", "must be >= 0")
         _require(self.rows >= 1, f"{key}.rows", f"must be >= 1, got {self.rows}")
         _require(self.row_len >= 2, f"{key}.row_len", f"must be >= 2, got {self.row_len}")
+        _require(self.prompt_context >= 0, f"{key}.prompt_context",
+                 f"must be >= 0 prompt positions (0 = responses only), got {self.prompt_context}")
 
 
 @dataclasses.dataclass(frozen=True)

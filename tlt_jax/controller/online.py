@@ -99,17 +99,16 @@ class ControlledRollout:
         import jax
         from flax import nnx
 
-        from tlt_jax.drafter.train import drafter_loss, pack_sequences
+        from tlt_jax.drafter.train import drafter_loss
 
         cfg = self.controller.cfg
-        fresh = [(s.ids, s.hidden, 1) for s in self.buffer.samples if s.step == step][: cfg.rows * cfg.row_len]
-        if not fresh:
+        batch = self.buffer.step_batch(step, cfg.row_len, cfg.rows)
+        if batch is None:
             return float("nan")
         if self._eval is None:
             graphdef = self.trainer.graphdef
             loss_cfg = self.trainer.loss_cfg
             self._eval = jax.jit(lambda p, policy, b: drafter_loss(nnx.merge(graphdef, p), policy, b, loss_cfg)[1].top1)
-        batch = pack_sequences(fresh, cfg.row_len, cfg.rows)
         return float(self._eval(params, self.rollout.policy(0), batch))
 
     def publish_drafter(self) -> None:
@@ -133,6 +132,7 @@ class ControlledRollout:
             os.path.join(d, f"step_{step}.tmp.npz"),
             steps=np.array([s.step for s in samples], np.int64),
             lengths=np.array([s.ids.size for s in samples], np.int64),
+            response_starts=np.array([s.response_start for s in samples], np.int64),
             ids=np.concatenate([s.ids for s in samples]) if samples else np.zeros(0, np.int32),
             hidden=np.concatenate([s.hidden for s in samples]) if samples else np.zeros((0, h), np.float32),
             counters=np.array([-1 if b.step is None else b.step, b.dropped, b.expired, b.skipped], np.int64),
@@ -152,8 +152,11 @@ class ControlledRollout:
             b.samples.clear()
             b.nbytes = 0
             ends = np.cumsum(z["lengths"])
-            for st, lo, hi in zip(z["steps"], ends - z["lengths"], ends, strict=True):
-                sample = BufferSample(int(st), z["ids"][lo:hi], z["hidden"][lo:hi])
+            # Files written before prompt context was kept have no response_starts: every window began at the prompt's
+            # last position.
+            starts = z["response_starts"] if "response_starts" in z.files else np.ones_like(ends)
+            for st, lo, hi, rs in zip(z["steps"], ends - z["lengths"], ends, starts, strict=True):
+                sample = BufferSample(int(st), z["ids"][lo:hi], z["hidden"][lo:hi], int(rs))
                 b.samples.append(sample)
                 b.nbytes += sample.nbytes
             cur, b.dropped, b.expired, b.skipped = (int(x) for x in z["counters"])
@@ -164,7 +167,8 @@ class ControlledRollout:
 def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None):
     """``rollout.num_slices`` engines on disjoint slices of the mesh's data axis, driven by the Controller (which
     writes workdir/timeline.jsonl); with ``drafter.online`` also the drafter buffer and spot trainer, the engines
-    capturing the last ``drafter.window`` hidden states of every response."""
+    capturing the last ``drafter.window`` hidden states of every response (and up to ``drafter.prompt_context``
+    positions of its prompt before a response that fits the window)."""
     import jax
 
     from tlt_jax.config import ConfigError
@@ -184,7 +188,8 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
             "devices); pick a divisor or change mesh.data"
         )
     if d.online:
-        engine_kwargs = dict(engine_kwargs, capture=HiddenCapture(window=d.window, max_bytes=d.buffer_bytes))
+        capture = HiddenCapture(window=d.window, max_bytes=d.buffer_bytes, prompt=d.prompt_context)
+        engine_kwargs = dict(engine_kwargs, capture=capture)
     try:
         rollout = SlicedRollout(model, mesh, r.num_slices, **engine_kwargs)
     except ValueError as e:

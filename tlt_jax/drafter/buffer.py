@@ -2,7 +2,9 @@
 
 Each sample is the window the rollout engine captured (``HiddenCapture``): hidden states ``h_t`` at w consecutive
 positions and the tokens at those positions, so the drafter trains on pairs (h_t, x_{t+1}) -> h_{t+1} with no extra
-policy forward. Samples of the current RL step and the previous one are kept ("one-step offset": the previous
+policy forward. A window that reaches back into the prompt (``HiddenCapture.prompt``) keeps those positions as
+context only: the drafter attends to them, as it does when drafting, but is not trained to predict them. Samples of
+the current RL step and the previous one are kept ("one-step offset": the previous
 step's long responses make up for the short ones that finish first in the current step). Memory is bounded in bytes:
 when a new sample does not fit, the oldest samples are dropped first (and counted), so the previous step's early,
 short finishers go before its late, long ones.
@@ -24,6 +26,7 @@ class BufferSample:
     step: int
     ids: np.ndarray  # [w] int32: token at each captured position
     hidden: np.ndarray  # [w, H] float32: h at each captured position
+    response_start: int = 1  # index in ids of the first generated token (earlier entries: prompt context)
 
     @property
     def nbytes(self) -> int:
@@ -60,8 +63,8 @@ class DrafterBuffer:
         self.nbytes -= s.nbytes
 
     def add(self, prompt: Sequence[int], tokens: Sequence[int], hidden: np.ndarray | None, hidden_start: int) -> bool:
-        """Add one finished sample's captured window (``RolloutResult.hidden[i][j]`` and ``hidden_start[i][j]``).
-        Returns whether it was kept."""
+        """Add one finished sample's captured window (``RolloutResult.hidden[i][j]`` and ``hidden_start[i][j]``,
+        negative when the window starts in the prompt). Returns whether it was kept."""
         if self.step is None:
             raise ValueError("DrafterBuffer.add before start_step: call start_step(rl_step) first")
         if hidden is None:
@@ -70,18 +73,19 @@ class DrafterBuffer:
         hidden = np.asarray(hidden, np.float32)
         w = hidden.shape[0]
         p, m = len(prompt), len(tokens)
-        if hidden.ndim != 2 or hidden_start < 0 or hidden_start + w > m:
+        if hidden.ndim != 2 or hidden_start < 1 - p or hidden_start + w > m:
             raise ValueError(
                 f"DrafterBuffer.add: hidden window of shape {hidden.shape} starting at generated token "
-                f"{hidden_start} does not fit {m} generated tokens (pass RolloutResult.hidden / hidden_start)"
+                f"{hidden_start} does not fit {p} prompt and {m} generated tokens (pass RolloutResult.hidden / "
+                "hidden_start)"
             )
-        if w < 2:
+        if w + min(hidden_start, 0) < 2:  # no training pair: fewer than 2 positions from the prompt's last on
             self.skipped += 1
             return False
         # Window entry i is h at position p - 1 + start + i; the token there is the previous one in the sequence.
         seq = np.asarray(list(prompt) + list(tokens), np.int32)
         lo = p - 1 + hidden_start
-        sample = BufferSample(self.step, seq[lo:lo + w].copy(), hidden)
+        sample = BufferSample(self.step, seq[lo:lo + w].copy(), hidden, 1 - min(hidden_start, 0))
         if sample.nbytes > self.max_bytes:
             self.dropped += 1
             return False
@@ -117,8 +121,13 @@ class DrafterBuffer:
         order = np.random.default_rng(seed).permutation(len(self.samples))
         order = order[: num_rows * row_len]  # each sample takes >= 1 slot: no more can fit (keeps packing cheap)
         samples = list(self.samples)  # deque indexing is O(n)
-        chosen = [(samples[k].ids, samples[k].hidden, 1) for k in order]
-        return pack_sequences(chosen, row_len, num_rows)
+        return _pack([samples[k] for k in order], row_len, num_rows)
+
+    def step_batch(self, step: int, row_len: int, num_rows: int) -> DrafterBatch | None:
+        """RL step ``step``'s samples in the order they were added, packed like ``batch`` (None if it has none): the
+        held-out data of a drafter that has not trained on that step."""
+        chosen = [s for s in self.samples if s.step == step][: num_rows * row_len]
+        return _pack(chosen, row_len, num_rows) if chosen else None
 
     def stats(self) -> dict[str, float]:
         cur = sum(s.step == self.step for s in self.samples)
@@ -131,3 +140,8 @@ class DrafterBuffer:
             "buffer/expired": float(self.expired),
             "buffer/skipped": float(self.skipped),
         }
+
+
+def _pack(samples: Sequence[BufferSample], row_len: int, num_rows: int) -> DrafterBatch:
+    """First-fit packed rows; the loss starts at each sample's first generated token (prompt entries are context)."""
+    return pack_sequences([(s.ids, s.hidden, s.response_start) for s in samples], row_len, num_rows)

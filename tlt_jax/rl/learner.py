@@ -251,10 +251,13 @@ class GRPOLearner:
     # ---- evaluation -------------------------------------------------------------------------------------------
 
     def evaluate(self, examples: Sequence[dict], *, max_new_tokens: int, batch_size: int) -> dict[str, float]:
-        """Greedy decoding of every example; accuracy = fraction judged correct by the reward."""
+        """Greedy decoding of every example; accuracy = fraction judged correct by the reward. A speculative engine
+        also reports ``eval/accept_length`` (tokens per verify and row): the same held-out prompts every time, so it
+        compares drafters across steps and runs on equal footing."""
         self._publish()
         t0 = time.perf_counter()
         scores, correct, lengths = [], [], []
+        spec_tokens = row_verifies = 0
         for lo in range(0, len(examples), batch_size):
             chunk = list(examples[lo : lo + batch_size])
             res = self.engine.generate(
@@ -265,13 +268,19 @@ class GRPOLearner:
             scores.append(r.scores[:, 0])
             correct.append(r.correct[:, 0])
             lengths += [len(c[0]) for c in res.tokens]
-        return {
+            for spec in [s.get("spec") or {} for s in res.stats.get("slices", [res.stats])]:  # one engine or slices
+                spec_tokens += spec.get("tokens", 0)
+                row_verifies += spec.get("row_verifies", 0)
+        out = {
             "eval/accuracy": float(np.concatenate(correct).mean()),
             "eval/reward": float(np.concatenate(scores).mean()),
             "eval/num_examples": float(len(examples)),
             "eval/len_mean": float(np.mean(lengths)),
             "eval/seconds": time.perf_counter() - t0,
         }
+        if row_verifies:
+            out["eval/accept_length"] = spec_tokens / row_verifies
+        return out
 
     # ---- checkpointed state -----------------------------------------------------------------------------------
 

@@ -131,6 +131,7 @@ class RolloutEngine:
             num_stop=self.max_stop_tokens,
             capture_window=capture.window if capture else 0,
             capture_side=capture.side if capture else "last",
+            capture_prompt=bool(capture and capture.prompt),
             cache_dtype=model.dtype,
             mesh=self.mesh,
             rules=rules,
@@ -300,8 +301,13 @@ class RolloutEngine:
         on_chunk(finished_samples, active_samples) is called once per host round trip (progress bars)."""
         prompts, max_new, request_ids = self._validate(prompts, params, request_ids)
         cap = self.capture
-        if (cap.window if cap else 0) != self.ctx.capture_window or (cap and cap.side != self.ctx.capture_side):
-            raise ValueError("capture: only max_bytes may change after construction (window and side are compiled in)")
+        if (cap.window if cap else 0) != self.ctx.capture_window or (cap and cap.side != self.ctx.capture_side) or (
+            bool(cap and cap.prompt) != self.ctx.capture_prompt
+        ):
+            raise ValueError(
+                "capture: only max_bytes and a nonzero prompt may change after construction (window, side and whether "
+                "prompts are captured are compiled in)"
+            )
         if self._shape_of(self.spec) != self._tree_shape:
             raise ValueError(
                 "spec: only threshold and patience may change after construction (tree shapes and arms are fixed)"

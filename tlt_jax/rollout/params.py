@@ -68,13 +68,17 @@ class HiddenCapture:
 
     Entry i of a sample's window is the hidden state whose logits produced generated token ``start + i`` (the
     feature at sequence position prompt_len - 1 + start + i). side="last": the last ``window`` generated tokens;
-    side="first": the first ``window``. Samples are kept in completion order until ``max_bytes`` (float32 bytes
-    returned) would be exceeded; later ones are dropped (None) and counted in stats["hidden_dropped"].
+    side="first": the first ``window``. ``prompt``: when a window starts at the first generated token, it is also
+    extended back over up to ``prompt`` positions of the prompt (their hidden states come from the prefill's forward),
+    so a drafter trains with the prompt as context, as it sees it when drafting. Samples are kept in completion order
+    until ``max_bytes`` (float32 bytes returned) would be exceeded; later ones are dropped (None) and counted in
+    stats["hidden_dropped"].
     """
 
     window: int = 64
     side: str = "last"
     max_bytes: int = 256 * 2**20
+    prompt: int = 0
 
     def __post_init__(self):
         if self.window < 1:
@@ -83,6 +87,8 @@ class HiddenCapture:
             raise ValueError(f"HiddenCapture.side must be 'last' or 'first', got {self.side!r}")
         if self.max_bytes < 0:
             raise ValueError(f"HiddenCapture.max_bytes must be >= 0, got {self.max_bytes}")
+        if self.prompt < 0:
+            raise ValueError(f"HiddenCapture.prompt must be >= 0 prompt positions, got {self.prompt}")
 
 
 @dataclasses.dataclass
@@ -91,7 +97,8 @@ class RolloutResult:
 
     tokens: generated ids (a stop token included when hit). logprobs: log_softmax of the raw policy logits at each
     emitted token (not the processed distribution). finish_reason: "stop" | "length". hidden: with capture on, a
-    float32 array [w, H] per sample (None when dropped by the cap) and hidden_start its first generated-token index.
+    float32 array [w, H] per sample (None when dropped by the cap) and hidden_start its first generated-token index
+    (negative: the window begins -hidden_start positions before the response, in the prompt; see HiddenCapture.prompt).
     """
 
     tokens: list[list[list[int]]]

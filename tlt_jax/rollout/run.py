@@ -39,6 +39,7 @@ class GenerateRun:
         n_total = len(prompts) * params.n
         self.final_n = np.zeros((n_total,), np.int64)
         self.harvests: list[tuple[Any, Any, Any, np.ndarray, np.ndarray]] = []
+        self.prompt_hidden: dict[int, tuple[Any, int]] = {}  # HiddenCapture.prompt: prompt -> (prefill output, row)
         self.chunks: list[dict] = []
         self.prefills: list[dict] = []
         self.compactions: list[dict] = []
@@ -94,9 +95,12 @@ class GenerateRun:
         args = (e.step_params(), self._put(ids), self._put(lens), jax.tree.map(self._put, init))
         exe = e.pool.get(StepKey("prefill", b, p_bucket, "plain", (bp,)), *args)
         t0 = time.perf_counter()
-        state, packed = exe(*args)
+        state, packed, *prompt_hidden = exe(*args)
         info = StepInfo.unpack(jax.device_get(packed), speculative=False)
         seconds, tokens = time.perf_counter() - t0, int(info.num_generated.sum())
+        if prompt_hidden:  # [Bp, P, H]: copied in the background, read when the samples are assembled
+            prompt_hidden[0].copy_to_host_async()
+            self.prompt_hidden.update({i: (prompt_hidden[0], k) for k, i in enumerate(order)})
         self.prefills.append(dict(batch=b, prompts=bp, length=p_bucket, seconds=seconds, tokens=tokens))
         self._keep_tokens(info, np.zeros((b,), np.int64), slots)
         plen_row = np.array([len(self.prompts[i]) for i in prompt_of], np.int64)
@@ -229,6 +233,7 @@ class GenerateRun:
         hidden = [[None] * n for _ in range(num)] if cap else None
         hidden_start = [[0] * n for _ in range(num)] if cap else None
         kept_bytes, dropped = 0, 0
+        prompt_host: dict[int, np.ndarray] = {}  # id of a prefill output -> its host copy
         for tok_ref, lp_ref, hid_ref, rows, slots in self.harvests:
             tok, lp = to_host(tok_ref), to_host(lp_ref)  # gathered when the batch spans processes
             hid = None if hid_ref is None else to_host(hid_ref)
@@ -241,15 +246,24 @@ class GenerateRun:
                 reasons[i][j] = "stop" if t and t[-1] in self.stops else "length"
                 if hid is not None:
                     w = min(cap.window, m)
-                    nbytes = w * hid.shape[-1] * 4
+                    start = m - w if cap.side == "last" else 0
+                    # The prompt context: positions p - 1 - c .. p - 2 (position p - 1 is the window's first entry).
+                    c = min(cap.prompt, len(self.prompts[i]) - 1) if start == 0 else 0
+                    nbytes = (c + w) * hid.shape[-1] * 4
                     if kept_bytes + nbytes > cap.max_bytes:
                         dropped += 1
                         continue
                     kept_bytes += nbytes
-                    start = m - w if cap.side == "last" else 0
                     sl = np.arange(start, start + w) % cap.window
                     hidden[i][j] = np.array(hid[row, sl], np.float32)
-                    hidden_start[i][j] = start
+                    hidden_start[i][j] = start - c
+                    if c:
+                        ref, k = self.prompt_hidden[i]
+                        if id(ref) not in prompt_host:
+                            prompt_host[id(ref)] = to_host(ref)
+                        ph = prompt_host[id(ref)]
+                        p = len(self.prompts[i])
+                        hidden[i][j] = np.concatenate([ph[k, p - 1 - c : p - 1], hidden[i][j]])
         stats = self._stats()
         stats["total_tokens"] = int(self.final_n.sum())
         if cap:

@@ -53,6 +53,7 @@ class StepContext:
     drafter_graphdef: Any = None  # EAGLE drafter (its state in DecodeState.aux); params = (policy, drafter)
     drafter_len: int = 0  # drafter cache slots (max_len + tree scratch); 0 = no drafter state
     report_tokens: bool = False  # info carries the emitted tokens (host-side drafters need the contexts)
+    capture_prompt: bool = False  # prefill also returns the prompts' hidden states (HiddenCapture.prompt)
 
     def merge(self, params) -> tuple[Any, Any]:
         """(policy, drafter or None) modules from the step's params pytree."""
@@ -169,7 +170,8 @@ def _prompt_pairs(ctx: StepContext, out, ids, lens, init: RowInit, tok) -> LazyD
 
 
 def build_prefill(ctx: StepContext, key: StepKey):
-    """Key: ("prefill", B, P, arm, (Bp,)). Args: params, ids [Bp, P], lens [Bp], RowInit [B]."""
+    """Key: ("prefill", B, P, arm, (Bp,)). Args: params, ids [Bp, P], lens [Bp], RowInit [B]. Returns (state, packed
+    info), plus the prompts' final-normed hidden states [Bp, P, H] float32 with ``ctx.capture_prompt``."""
     cfg, s_max = ctx.config, ctx.max_len
 
     def step(params, ids, lens, init: RowInit):
@@ -205,9 +207,11 @@ def build_prefill(ctx: StepContext, key: StepKey):
         if drafter is not None:
             state = state.replace(aux=_prompt_pairs(ctx, out, ids, lens, init, tok))
         state = record(state, tok, logits, hidden, ctx.capture_side)
-        return state, step_info(state, jnp.zeros_like(lens[init.src]), int(ctx.report_tokens))
+        info = step_info(state, jnp.zeros_like(lens[init.src]), int(ctx.report_tokens))
+        return (state, info, out.hidden.astype(jnp.float32)) if ctx.capture_prompt else (state, info)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
+    out_sh += (ctx.replicated(),) if ctx.capture_prompt else ()
     return jax.jit(step, out_shardings=out_sh)
 
 
