@@ -17,14 +17,15 @@ without the KL term (no reference pass, as Dr. GRPO / DAPO; TLT's recipe uses 0.
 rate a 135M model moves with in a few steps. On a GPU, scale up with e.g. --config.data.prompts_per_step=64
 --config.rollout.samples_per_prompt=8.
 
-Measured (2026-11-25, fresh clone and venv on the 2-core x86 CPU VM, README's command; 10 min 20 s wall including
-the install, 571 s for the job itself; steps of 21-66 s, median 34 s, of which the policy update ~20 s):
+Measured (2026-11-26, fresh clone and venv on the 2-core x86 CPU VM, README's command; 8 min 45 s wall including
+the install, 465 s for the job itself; steps of 13-49 s, median 30 s, of which the policy update ~20 s):
 - held-out greedy accuracy (32 prompts): 0.375 at step 0, 0.625 at step 4, 0.688 at step 8, 0.656 at the end;
 - training reward (8 samples per step at T = 0.7, noisy): mean 0.21 over steps 1-6, 0.31 over steps 7-12;
 - response lengths: median 30-94 tokens per step, longest 54-256 (the cap, steps 8 and 12);
-- accept length 1.75-2.25 tokens per verify; the bandit ran the EAGLE 3x1x4 arm for 9-28 % of the chunks in steps
-  1-6 and 53-65 % in steps 7-12; 4 drafter steps per RL step (1.3-3.6 s). On this
-  CPU the adaptive rollouts cost what plain ones do (benchmarks/README.md, "The default run").
+- accept length 1.33-2.71 tokens per verify in the rollouts; the bandit ran an EAGLE arm for 3-49 % of the chunks;
+  4 drafter steps per RL step (1.35-2.22 s); on the held-out prompts (eval/accept_length) 2.16 at step 0, 2.55 at
+  steps 4 and 8, 2.78 at the end. On this CPU the adaptive rollouts cost what plain ones do (benchmarks/README.md,
+  "The default run").
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
 
