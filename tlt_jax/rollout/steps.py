@@ -211,7 +211,8 @@ def build_prefill(ctx: StepContext, key: StepKey):
         return (state, info, out.hidden.astype(jnp.float32)) if ctx.capture_prompt else (state, info)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
-    out_sh += (ctx.replicated(),) if ctx.capture_prompt else ()
+    if ctx.capture_prompt:  # sharded like the prompts (the host gathers it), not replicated on every device
+        out_sh += (ctx.batch_sharding((key.extra[0], key.length, cfg.hidden_size)),)
     return jax.jit(step, out_shardings=out_sh)
 
 
