@@ -161,6 +161,9 @@ def test_tokens_independent_of_batch_compaction_and_chunk_size(engine, model, sa
         np.testing.assert_allclose(res.hidden[i][0], hid[p - 1 - c : p + 3], atol=1e-5)
     windows = [min(3, len(q) - 1) + min(4, m) for q, m in zip(PROMPTS, MAX_NEW, strict=True)]
     assert res.stats["hidden_bytes"] == sum(windows) * 2 * model.config.hidden_size * 4
+    k1.capture = HiddenCapture(window=4, side="first", prompt=2)  # the prefill returns 3 positions: compiled in
+    with pytest.raises(ValueError, match="only max_bytes may change"):
+        k1.generate(PROMPTS, SAMPLED)
 
 
 def test_hidden_capture_window_and_cap(engine, sampled, ref):

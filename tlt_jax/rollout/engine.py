@@ -131,7 +131,7 @@ class RolloutEngine:
             num_stop=self.max_stop_tokens,
             capture_window=capture.window if capture else 0,
             capture_side=capture.side if capture else "last",
-            capture_prompt=bool(capture and capture.prompt),
+            capture_prompt=capture.prompt if capture else 0,
             cache_dtype=model.dtype,
             mesh=self.mesh,
             rules=rules,
@@ -301,12 +301,10 @@ class RolloutEngine:
         on_chunk(finished_samples, active_samples) is called once per host round trip (progress bars)."""
         prompts, max_new, request_ids = self._validate(prompts, params, request_ids)
         cap = self.capture
-        if (cap.window if cap else 0) != self.ctx.capture_window or (cap and cap.side != self.ctx.capture_side) or (
-            bool(cap and cap.prompt) != self.ctx.capture_prompt
-        ):
+        compiled = (self.ctx.capture_window, self.ctx.capture_side, self.ctx.capture_prompt)
+        if ((cap.window, cap.side, cap.prompt) if cap else (0, "last", 0)) != compiled:
             raise ValueError(
-                "capture: only max_bytes and a nonzero prompt may change after construction (window, side and whether "
-                "prompts are captured are compiled in)"
+                "capture: only max_bytes may change after construction (window, side and prompt are compiled in)"
             )
         if self._shape_of(self.spec) != self._tree_shape:
             raise ValueError(

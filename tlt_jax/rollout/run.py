@@ -98,7 +98,7 @@ class GenerateRun:
         state, packed, *prompt_hidden = exe(*args)
         info = StepInfo.unpack(jax.device_get(packed), speculative=False)
         seconds, tokens = time.perf_counter() - t0, int(info.num_generated.sum())
-        if prompt_hidden:  # [Bp, P, H]: copied in the background, read when the samples are assembled
+        if prompt_hidden:  # [Bp, C, H]: copied in the background, read when the samples are assembled
             prompt_hidden[0].copy_to_host_async()
             self.prompt_hidden.update({i: (prompt_hidden[0], k) for k, i in enumerate(order)})
         self.prefills.append(dict(batch=b, prompts=bp, length=p_bucket, seconds=seconds, tokens=tokens))
@@ -248,7 +248,8 @@ class GenerateRun:
                     w = min(cap.window, m)
                     start = m - w if cap.side == "last" else 0
                     # The prompt context: positions p - 1 - c .. p - 2 (position p - 1 is the window's first entry).
-                    c = min(cap.prompt, len(self.prompts[i]) - 1) if start == 0 else 0
+                    p = len(self.prompts[i])
+                    c = min(cap.prompt, p - 1) if start == 0 else 0
                     nbytes = (c + w) * hid.shape[-1] * 4
                     if kept_bytes + nbytes > cap.max_bytes:
                         dropped += 1
@@ -261,9 +262,8 @@ class GenerateRun:
                         ref, k = self.prompt_hidden[i]
                         if id(ref) not in prompt_host:
                             prompt_host[id(ref)] = to_host(ref)
-                        ph = prompt_host[id(ref)]
-                        p = len(self.prompts[i])
-                        hidden[i][j] = np.concatenate([ph[k, p - 1 - c : p - 1], hidden[i][j]])
+                        ph = prompt_host[id(ref)]  # [Bp, cap.prompt, H], ending at position p - 2
+                        hidden[i][j] = np.concatenate([ph[k, cap.prompt - c :], hidden[i][j]])
         stats = self._stats()
         stats["total_tokens"] = int(self.final_n.sum())
         if cap:

@@ -53,7 +53,7 @@ class StepContext:
     drafter_graphdef: Any = None  # EAGLE drafter (its state in DecodeState.aux); params = (policy, drafter)
     drafter_len: int = 0  # drafter cache slots (max_len + tree scratch); 0 = no drafter state
     report_tokens: bool = False  # info carries the emitted tokens (host-side drafters need the contexts)
-    capture_prompt: bool = False  # prefill also returns the prompts' hidden states (HiddenCapture.prompt)
+    capture_prompt: int = 0  # prefill also returns each prompt's last hidden states before its final position
 
     def merge(self, params) -> tuple[Any, Any]:
         """(policy, drafter or None) modules from the step's params pytree."""
@@ -171,7 +171,8 @@ def _prompt_pairs(ctx: StepContext, out, ids, lens, init: RowInit, tok) -> LazyD
 
 def build_prefill(ctx: StepContext, key: StepKey):
     """Key: ("prefill", B, P, arm, (Bp,)). Args: params, ids [Bp, P], lens [Bp], RowInit [B]. Returns (state, packed
-    info), plus the prompts' final-normed hidden states [Bp, P, H] float32 with ``ctx.capture_prompt``."""
+    info), plus with ``ctx.capture_prompt`` = C the final-normed hidden states [Bp, C, H] float32 at each prompt's
+    positions len - 1 - C .. len - 2 (HiddenCapture.prompt; entries before a short prompt's start are filler)."""
     cfg, s_max = ctx.config, ctx.max_len
 
     def step(params, ids, lens, init: RowInit):
@@ -208,11 +209,14 @@ def build_prefill(ctx: StepContext, key: StepKey):
             state = state.replace(aux=_prompt_pairs(ctx, out, ids, lens, init, tok))
         state = record(state, tok, logits, hidden, ctx.capture_side)
         info = step_info(state, jnp.zeros_like(lens[init.src]), int(ctx.report_tokens))
-        return (state, info, out.hidden.astype(jnp.float32)) if ctx.capture_prompt else (state, info)
+        if not ctx.capture_prompt:
+            return state, info
+        pos = jnp.clip(lens[:, None] - 1 - ctx.capture_prompt + jnp.arange(ctx.capture_prompt)[None, :], 0, p - 1)
+        return state, info, jnp.take_along_axis(out.hidden, pos[..., None], axis=1).astype(jnp.float32)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
     if ctx.capture_prompt:  # sharded like the prompts (the host gathers it), not replicated on every device
-        out_sh += (ctx.batch_sharding((key.extra[0], key.length, cfg.hidden_size)),)
+        out_sh += (ctx.batch_sharding((key.extra[0], ctx.capture_prompt, cfg.hidden_size)),)
     return jax.jit(step, out_shardings=out_sh)
 
 
