@@ -29,6 +29,8 @@ median over those passes: side by side with plain and the best fixed arm on the 
 plain's A/A ratios (its second run of a pass over its first: how far two equal runs differ on this machine) and the
 adaptive engine's speedup over plain pass by pass.
 
+--ablate_coupling: every EAGLE tree also runs with ``SpecConfig(coupled=False)`` ("eagle_topk"): sampled rows
+then draft the drafter's deterministic top-k instead of its sample coupled to the verifier's noise.
 --off_overhead: only the "off" arm's cost in an adaptive engine with an EAGLE drafter (its plain steps record the
 policy's hidden states for the drafter's later catch-up) against the plain engine, same prompts and forced lengths.
 """
@@ -54,6 +56,7 @@ from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
 
 _F = flags.FLAGS
 DEFAULT_DRAFTER = pathlib.Path(resolve_drafter_path(EMBEDDED_DRAFTER))
+UNCOUPLED = "eagle_topk"  # --ablate_coupling: the EAGLE drafter's deterministic top-k trees for sampled rows too
 flags.DEFINE_string("model", None, "policy (default: embedded SmolLM2; 'tiny' = random tiny model)")
 flags.DEFINE_string("drafter", None, "trained drafter directory (save_drafter format); default with the embedded "
                     "SmolLM2: the committed warmed-up drafter shipped in tlt_jax/assets (eagle-smollm2-gsm)")
@@ -75,6 +78,8 @@ flags.DEFINE_float("epsilon", 0.1, "adaptive: exploration probability")
 flags.DEFINE_integer("adaptive_threshold", None, "adaptive: the speculation gate's threshold (live rows at or under "
                      "which the bandit may speculate; default SpecConfig's, 32, as in TLT; 0 = never)")
 flags.DEFINE_float("margin", 0.1, "adaptive: explore only arms within this fraction of the best (BanditConfig.margin)")
+flags.DEFINE_bool("ablate_coupling", False, "also run every EAGLE tree with SpecConfig(coupled=False) (drafter "
+                  "'eagle_topk': sampled rows draft the deterministic top-k, not the verifier-coupled sample)")
 flags.DEFINE_bool("off_overhead", False, "only measure the adaptive engine's 'off' arm against plain (its plain "
                   "steps record hidden states for the drafter) at --batches, then exit")
 flags.DEFINE_string("out", "benchmarks/results/speculative_smollm2_cpu.json", "JSON output")
@@ -361,6 +366,8 @@ def main(argv):
         drafters["ngram"] = "ngram"
     if "eagle" in _F.drafters and _drafter_dir():
         drafters["eagle"] = load_drafter(_drafter_dir())
+        if _F.ablate_coupling:
+            drafters[UNCOUPLED] = drafters["eagle"]
     max_len = max(len(p) for p in prompts) + max(tokens) + 64
     if _F.off_overhead:
         res = off_overhead(policy, drafters["eagle"], prompts, batches, tokens, max_len, _F.repeats)
@@ -374,7 +381,7 @@ def main(argv):
         if (name, config) not in engines:
             depth, topk, n = (int(x) for x in config.split("x"))
             spec = SpecConfig(depth=depth, topk=topk, verify_tokens=n, threshold=max_batch,
-                              steps_per_call=_F.steps_per_call)
+                              steps_per_call=_F.steps_per_call, coupled=name != UNCOUPLED)
             engines[name, config] = RolloutEngine(policy, drafter=drafters[name], spec=spec, max_batch=max_batch,
                                                   max_len=max_len)
         return engines[name, config]
@@ -392,7 +399,7 @@ def main(argv):
         arms = {"plain": plain} | {(name, c): engine(name, c) for c in configs for name in drafters}
         ada = None
         if _F.adaptive:  # one engine per batch, a fresh bandit per (batch, temperature): see _run_cell
-            bandit_arms = ("off", *(f"{name}:{c}" for name in drafters for c in configs))
+            bandit_arms = ("off", *(f"{name}:{c}" for name in drafters if name != UNCOUPLED for c in configs))
             spec = SpecConfig(
                 arms=bandit_arms,
                 epsilon=_F.epsilon,
@@ -497,7 +504,7 @@ def _adaptive_vs_fixed(rows, log: bool = True) -> list[dict]:
     out = []
     for temp, b in sorted({(r["temperature"], r["batch"]) for r in rows}):
         cell = [r for r in rows if r["temperature"] == temp and r["batch"] == b]
-        fixed = [r for r in cell if r["drafter"] != "adaptive"]  # plain included: "off" is an arm
+        fixed = [r for r in cell if r["drafter"] not in ("adaptive", UNCOUPLED)]  # the adaptive engine's arms
         best = max(fixed, key=lambda r: r["speedup"])
         plain = next(r for r in fixed if r["config"] == "plain")
         for ada in (r for r in cell if r["drafter"] == "adaptive"):

@@ -488,6 +488,24 @@ def test_sampled_speculative_reproduces_plain_sampling(engines):
         np.testing.assert_allclose(_flat(res), _flat(want), atol=1e-5)
 
 
+def test_sampled_eagle_drafts_the_verifiers_sample(policy, drafter, engines):
+    """Sampled rows draft each child as the drafter's own Gumbel-max sample under the noise the verifier adds at that
+    depth. At a temperature so high that both distributions are uniform, the policy's sample is the noise's argmax
+    alone, so even this random drafter's chains are accepted whole; a deterministic top-1 draft would be accepted
+    with probability about 1 / 64 per depth."""
+    params = SamplingParams(temperature=1e4, max_new_tokens=16, seed=3, ignore_eos=True)
+    want = engines().generate(PROMPTS, params)
+    res = engines("eagle", 2, 1, 3).generate(PROMPTS, params)
+    assert res.tokens == want.tokens
+    assert res.stats["mean_accept_length"] > 2.9  # 15 tokens after prefill's: 5 verifies of 3 (2 drafts + bonus)
+    spec = SpecConfig(depth=2, topk=1, verify_tokens=3, threshold=4, coupled=False)  # the ablation
+    res = RolloutEngine(policy, drafter=drafter, spec=spec, **ENGINE).generate(PROMPTS, params)
+    assert res.tokens == want.tokens
+    assert res.stats["mean_accept_length"] < 1.5
+    with pytest.raises(ValueError, match="SpecConfig.coupled"):
+        SpecConfig(coupled=1)
+
+
 # ---------------------------------------------------------------------------------------------------------- n-gram
 
 

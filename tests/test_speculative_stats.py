@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 from tlt_jax.models import CausalLM, KVCache, tiny_config
 from tlt_jax.sampling import processed_logprobs
 from tlt_jax.speculative import make_tree, verify_tree
+from tlt_jax.speculative.tree import DraftSampling, coupled_scores
 from tlt_jax.speculative.verify import depth_keys
 
 V = 8
@@ -57,8 +58,28 @@ def exact_joint(policy, temperature, top_k, top_p):
     return p1[:, None] * p2
 
 
-def spec_two_tokens(policy, table, seed, temperature, top_k, top_p, stale_keys=False):
-    """First two tokens emitted after the root, for B samples (sample ids 0..B-1) via verify_step (1-2 steps)."""
+def coupled_tree(drafter_policy, temperature, top_k, top_p, deterministic=False):
+    """A tree builder for the first verify step: 3 children of the root and 2 per child, each the top scores of
+    ``coupled_scores`` over the drafter's logits, so every row's tree depends on the verifier's keys (as the EAGLE
+    drafter's trees do for sampled rows). ``deterministic``: the drafter's plain top-k instead (the same drafter
+    without the coupling)."""
+    seqs = jnp.asarray([PREFIX + [ROOT, 0]] + [PREFIX + [ROOT, x] for x in range(V)])
+    logits = drafter_policy(seqs).logits.astype(jnp.float32)
+    root_logits, child_logits = logits[0, 3], logits[1:, 4]  # [V], [V (child token), V]
+
+    def build(root, keys):
+        sampling = DraftSampling(keys, jnp.full(B, temperature), jnp.full(B, top_k, jnp.int32), jnp.full(B, top_p))
+        score = lambda lg, d: lg if deterministic else coupled_scores(lg, sampling, d, V)  # noqa: E731
+        kids = jax.lax.top_k(score(jnp.broadcast_to(root_logits, (B, V)), 0), 3)[1]  # [B, 3]
+        grand = jax.lax.top_k(score(child_logits[kids], 1), 2)[1]  # [B, 3, 2]
+        return jnp.concatenate([root[:, None], kids, grand.reshape(B, 6)], axis=1).astype(jnp.int32)
+
+    return build
+
+
+def spec_two_tokens(policy, table, seed, temperature, top_k, top_p, stale_keys=False, first_tree=None):
+    """First two tokens emitted after the root, for B samples (sample ids 0..B-1) via verify_step (1-2 steps).
+    ``first_tree(root, keys)``: the first step's tree tokens [B, 10] (default: the table's tree for the root)."""
     cache = KVCache.zeros(CFG, 1, 8)
     out = policy(jnp.asarray([PREFIX]), cache=cache)
     cache = cache.append(out.k_new, out.v_new).gather(jnp.zeros(B, jnp.int32))
@@ -71,7 +92,8 @@ def spec_two_tokens(policy, table, seed, temperature, top_k, top_p, stale_keys=F
         keys = depth_keys(seed, np.zeros(B), samples, cache.lengths + 1, 2)
         if stale_keys:  # wrong: one coin for every depth (not fresh per position)
             keys = jnp.repeat(keys[:, :1], 3, axis=1)
-        tree = _make_tree(tab[root], jnp.broadcast_to(PARENT, (B, 10)), jnp.ones((B, 10), bool), 2)
+        tokens = first_tree(root, keys) if first_tree is not None and not emitted else tab[root]
+        tree = _make_tree(tokens, jnp.broadcast_to(PARENT, (B, 10)), jnp.ones((B, 10), bool), 2)
         remaining = jnp.full(B, 2 - (len(emitted) and 1), jnp.int32)
         res = verify_step(policy, cache, tree, keys, temp, tk, tp, stop, remaining, active, max_depth=2)
         toks, n = np.asarray(res.tokens), np.asarray(res.num_emitted)
@@ -137,6 +159,27 @@ def test_tree_sampling_matches_exact_joint(seed, temperature, top_k, top_p):
     assert (accepted >= 1).mean() > 0.1 and (accepted == 2).any()  # the tree actually carries tokens
     assert p > 1e-3, (p, tv)
     assert tv < 0.03
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 0.9)])
+def test_trees_drafted_from_the_verifiers_keys_stay_exact(seed, temperature, top_k, top_p):
+    """Trees built from the verifier's own noise (coupled drafting) keep the exact joint: every position's key is
+    plain decoding's, so the emitted tokens are plain sampling's whatever the tree holds. With the policy as its own
+    drafter the coupled tree is accepted whole on (almost) every row; the same drafter's deterministic top-k tree is
+    accepted less."""
+    policy = make_policy(seed)
+    table = draft_table(seed, policy)
+    joint = exact_joint(policy, temperature, top_k, top_p)
+    for drafter in (make_policy(seed + 10), policy):
+        first, second, accepted = spec_two_tokens(policy, table, seed, temperature, top_k, top_p,
+                                                  first_tree=coupled_tree(drafter, temperature, top_k, top_p))
+        p, tv = chi2(first, second, joint)
+        assert p > 1e-3 and tv < 0.03, (p, tv)
+    assert (accepted == 2).mean() > 0.99
+    _, _, plain_top_k = spec_two_tokens(policy, table, seed, temperature, top_k, top_p,
+                                        first_tree=coupled_tree(policy, temperature, top_k, top_p, deterministic=True))
+    assert plain_top_k.mean() < accepted.mean() - 0.01
 
 
 @pytest.mark.parametrize("seed", [0, 1])

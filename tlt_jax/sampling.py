@@ -52,12 +52,17 @@ def _filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
     return jax.nn.log_softmax(jnp.where(scaled >= cutoff, scaled, NEG_INF), axis=-1)
 
 
+def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
+    """The Gumbel(0, 1) noise [*keys.shape, vocab] that sampling adds to the log-probs of each key's token (shared with
+    the EAGLE drafter, which guesses sampled tokens under the same noise)."""
+    flat_keys = keys.reshape(-1)
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(flat_keys)
+    return g.reshape(keys.shape + (vocab,))
+
+
 def sample_from_logprobs(keys: jax.Array, logp: jax.Array) -> jax.Array:
     """Gumbel-max sample per row: keys has logp.shape[:-1] (typed keys); returns int32 token ids."""
-    v = logp.shape[-1]
-    flat_keys = keys.reshape(-1)
-    g = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(flat_keys).reshape(logp.shape)
-    return jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
+    return jnp.argmax(logp + gumbel_noise(keys, logp.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 def sample_tokens(logits: jax.Array, keys, temperature, top_k, top_p) -> jax.Array:

@@ -33,7 +33,16 @@ from tlt_jax.rollout.pool import StepKey, StepPool
 from tlt_jax.rollout.state import DecodeState
 from tlt_jax.rollout.steps import StepContext, step_info
 from tlt_jax.speculative.ngram import NgramDrafter
-from tlt_jax.speculative.tree import DraftState, Tree, TreeDrafter, draft_head, drafter_extend, eagle_draft, make_tree
+from tlt_jax.speculative.tree import (
+    DraftSampling,
+    DraftState,
+    Tree,
+    TreeDrafter,
+    draft_head,
+    drafter_extend,
+    eagle_draft,
+    make_tree,
+)
 from tlt_jax.speculative.verify import VerifyOutput, depth_keys, verify_tree
 
 
@@ -54,6 +63,10 @@ class SpecConfig:
     arms estimated within this fraction of the best; ``transfer``: a bucket borrows relative speeds from the nearest
     bucket for arms it has not measured; ``time_share``: epsilon bounds the share of time spent exploring
     (``tlt_jax.adaptive.BanditConfig``). Without arms the engine runs the one tree shape above.
+
+    coupled: sampled rows draft EAGLE children coupled to the verifier's noise (``speculative.tree.coupled_scores``);
+    False drafts the deterministic top-k for every row (the ablation ``benchmarks/speculative.py`` compares against).
+    Either way the output is plain decoding's.
     """
 
     depth: int = 8
@@ -69,8 +82,11 @@ class SpecConfig:
     margin: float = 0.1
     transfer: bool = True
     time_share: bool = True
+    coupled: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.coupled, bool):
+            raise ValueError(f"SpecConfig.coupled must be True or False, got {self.coupled!r}")
         if int(self.patience) != self.patience or self.patience < 0:
             raise ValueError(f"SpecConfig.patience must be an integer >= 0 (chunks to wait), got {self.patience}")
         if self.arms:
@@ -164,10 +180,18 @@ def commit_verify(state: DecodeState, out: VerifyOutput, side: str) -> DecodeSta
     )
 
 
-def verify_rows(model, state: DecodeState, tree: Tree, spec: SpecConfig, length: int) -> VerifyOutput:
-    """Verify ``tree`` for every row with plain decoding's keys and the rows' own sampling params, stop tokens and
-    budgets; the policy reads the first ``length`` cache positions."""
+def row_sampling(state: DecodeState, spec: SpecConfig) -> DraftSampling:
+    """The rows' verify keys (plain decoding's, by position) and sampling params, for the drafter and the verifier."""
     keys = depth_keys(state.seed[:, None], state.request_id, state.sample_id, state.cache.lengths + 1, spec.depth)
+    return DraftSampling(keys, state.temperature, state.top_k, state.top_p)
+
+
+def verify_rows(model, state: DecodeState, tree: Tree, spec: SpecConfig, length: int,
+                sampling: DraftSampling | None = None) -> VerifyOutput:
+    """Verify ``tree`` for every row with plain decoding's keys and the rows' own sampling params, stop tokens and
+    budgets; the policy reads the first ``length`` cache positions. ``sampling``: ``row_sampling(state, spec)``
+    when the caller already made it."""
+    keys = (sampling or row_sampling(state, spec)).keys
     return verify_tree(
         model,
         state.cache,
@@ -194,11 +218,12 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
         sync: LazyDraft = state.aux
         ds = sync.draft
         view = DraftState(ds.cache.view(dlen), ds.feature)
+        sampling = row_sampling(state, spec)
         tree, _ = eagle_draft(
             model, drafter, view, state.last_token, depth=spec.depth, topk=spec.topk, num_nodes=spec.verify_tokens,
-            head=head,
+            head=head, sampling=sampling if spec.coupled else None,
         )
-        out = verify_rows(model, state, tree, spec, length)
+        out = verify_rows(model, state, tree, spec, length, sampling)
         ds = drafter_extend(
             model, drafter, ds, out.hidden, jnp.maximum(out.tokens, 0), out.num_emitted, attend_len=dlen
         )

@@ -11,13 +11,14 @@ tokens among valid nodes: top-k children guarantee it for EAGLE, the n-gram draf
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.models.kv_cache import KVCache
+from tlt_jax.sampling import gumbel_noise, processed_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -201,8 +202,38 @@ def select_tree(scores, tokens, parents, root, num_nodes: int, max_depth: int) -
     return make_tree(all_tokens, all_parent, all_valid, max_depth)
 
 
+class DraftSampling(NamedTuple):
+    """The verifier's sampling for each row: keys [B, D+1] (``depth_keys``: entry d keys the sample made at tree
+    depth d) and temperature / top_k / top_p [B]."""
+
+    keys: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+
+def coupled_scores(logits: jax.Array, sampling: DraftSampling, d: int, vocab: int, ids=None) -> jax.Array:
+    """Draft scores [B, ..., Vd] for children that guess the policy's sample at depth d. Sampled rows: the drafter's
+    processed log-probs plus the Gumbel noise the verifier will add there, so the top child is the drafter's own
+    sample coupled to the policy's: it matches whenever the two Gumbel-max choices agree, with probability at least
+    (1 - TV) / (1 + TV) for the drafter's q and the policy's p, against p(argmax q) for a deterministic draft. Greedy
+    rows keep the raw logits. Exactness does not depend on it: verification emits plain decoding's tokens (same
+    keys) whatever the tree holds."""
+    b = logits.shape[0]
+    lead = (b,) + (1,) * (logits.ndim - 2)
+
+    def perturb(_):
+        g = gumbel_noise(sampling.keys[:, d], vocab)  # [B, V]: the verifier's noise for this depth
+        g = (g if ids is None else jnp.take(g, ids, axis=1)).reshape(lead + (logits.shape[-1],))
+        t = sampling.temperature.reshape(lead)
+        lp = processed_logprobs(logits, t, sampling.top_k.reshape(lead), sampling.top_p.reshape(lead))
+        return jnp.where((t > 0)[..., None], lp + g, logits)
+
+    return jax.lax.cond(jnp.all(sampling.temperature <= 0.0), lambda _: logits, perturb, None)
+
+
 def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: int, topk: int, num_nodes: int,
-                head=None):
+                head=None, sampling: DraftSampling | None = None):
     """EAGLE-2 dynamic tree for every row; returns (Tree with max depth ``depth``, drafter cache with scratch).
 
     Depth-1 candidates are the top-k of the root feature's logits. Each of the depth-1 further steps runs the drafter
@@ -214,6 +245,7 @@ def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: i
     ``cache.view`` covering the longest row + scratch to bound the attention reads. With a draft vocabulary on the
     drafter (``EagleDrafter.set_draft_vocab``) the LM head runs over those tokens only. ``head``: a precomputed
     ``draft_head(policy, drafter)`` (callers that draft several times per compiled call gather the rows once).
+    ``sampling``: the verifier's keys and sampling params; sampled rows then rank children by ``coupled_scores``.
     """
     cfg = policy.config
     head, ids = draft_head(policy, drafter) if head is None else head
@@ -223,10 +255,12 @@ def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: i
     if depth < 1 or num_nodes < 1:
         raise ValueError(f"depth ({depth}) and num_nodes ({num_nodes}) must be >= 1")
 
-    def top_children(h):
-        """Top-k (log-prob, token) of the drafter's distribution at features h [..., H]: log-probs from the top
-        logits minus the logsumexp (no full log_softmax materialised)."""
+    def top_children(h, d):
+        """Top-k (log-prob, token) of the drafter's distribution at features h [..., H] for children at depth d + 1:
+        log-probs from the top scores minus the logsumexp (no full log_softmax materialised)."""
         logits = head(h).astype(jnp.float32)
+        if sampling is not None:
+            logits = coupled_scores(logits, sampling, d, cfg.vocab_size, ids)
         val, idx = jax.lax.top_k(logits, k)
         lp = val - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         tok = idx if ids is None else jnp.take(ids, idx)
@@ -236,7 +270,7 @@ def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: i
     b, k = root.shape[0], topk
     lengths = cache.lengths
     s = cache.max_len
-    score, tok = top_children(state.feature)
+    score, tok = top_children(state.feature, 0)
     cand_score, cand_tok, cand_par = [score], [tok], [jnp.full((b, k), -1, jnp.int32)]
     front_tok, front_score = tok, score
     front_idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
@@ -260,7 +294,7 @@ def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: i
         slots = lengths[:, None] + (i - 1) * k + jnp.arange(k)[None, :]
         kc = kc.at[rows, slots].set(kn.astype(kc.dtype), mode="drop")
         vc = vc.at[rows, slots].set(vn.astype(vc.dtype), mode="drop")
-        child_lp, child_tok = top_children(h)  # [B, k, k], distinct tokens per parent
+        child_lp, child_tok = top_children(h, i)  # [B, k, k], distinct tokens per parent
         cum = (front_score[:, :, None] + child_lp).reshape(b, k * k)
         child_tok = child_tok.reshape(b, k * k)
         cand_score.append(cum)

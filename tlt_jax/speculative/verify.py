@@ -6,10 +6,10 @@ its token equals its parent's sample and all its ancestors are accepted. The emi
 deepest accepted path: the path's draft tokens and the bonus sample at its end. Greedy is temperature 0 (argmax).
 
 Randomness: the sample that would produce the token at absolute position q uses the key plain decoding uses for q
-(``token_keys(seed, request, sample, q)``), so all nodes of one depth share a key. This stays exact: only one node
-per depth lies on the realised path, and the key for depth d is independent of the keys of depths < d that decide
-whether that node is reached and of everything the tree was built from (earlier positions). It also makes
-speculative sampling reproduce plain sampling token for token (up to floating point), whatever the drafter.
+(``token_keys(seed, request, sample, q)``), so all nodes of one depth share a key. By induction along the walk, the
+accepted prefix is plain decoding's, so each sample is the token plain sampling draws at that position (up to
+floating point): speculative sampling reproduces plain sampling token for token, whatever the tree holds. That is
+why the EAGLE drafter may build sampled rows' trees from these very keys (``coupled_scores``) and stay exact.
 """
 
 from __future__ import annotations
