@@ -17,17 +17,19 @@ without the KL term (no reference pass, as Dr. GRPO / DAPO; TLT's recipe uses 0.
 rate a 135M model moves with in a few steps. On a GPU, scale up with e.g. --config.data.prompts_per_step=64
 --config.rollout.samples_per_prompt=8.
 
-Measured (2026-11-26, fresh clone and venv on the 2-core x86 CPU VM, README's command; 8 min 45 s wall including
-the install, 465 s for the job itself; steps of 13-49 s, median 30 s, of which the policy update ~20 s):
+Measured (2026-11-26, fresh clone and venv on the 2-core x86 CPU VM, README's command, with coupled drafting for
+sampled rows; 10 min 2 s wall including the install, 549 s for the job itself; steps of 16-59 s, median 33 s, of
+which the policy update ~20 s; the two runs before that change took 8 min 45 s and 8 min 0 s on the same machine,
+whose speed drifts by tens of percent):
 - held-out greedy accuracy (32 prompts): 0.375 at step 0, 0.625 at step 4, 0.688 at step 8, 0.656 at the end;
 - training reward (8 samples per step at T = 0.7, noisy): mean 0.21 over steps 1-6, 0.31 over steps 7-12;
 - response lengths: median 30-94 tokens per step, longest 54-256 (the cap, steps 8 and 12);
-- accept length 1.33-2.71 tokens per verify in the rollouts; the bandit ran an EAGLE arm for 3-49 % of the chunks;
-  4 drafter steps per RL step (1.35-2.22 s; drafter loss 0.45 -> 0.41); on the held-out prompts (eval/accept_length)
-  2.16 at step 0 and 2.55-2.78 later. A second fresh run (8 min 0 s) sampled the same tokens and trained the drafter
-  to the same losses, but its bandit picked other arms (the choice follows the machine's timings), so its accept
-  lengths differed: 1.33-2.42 in the rollouts, 1.83-2.63 held out. On this CPU the adaptive rollouts cost what plain
-  ones do (benchmarks/README.md, "The default run").
+- accept length 1.50-2.68 tokens per verify in the rollouts; the bandit ran an EAGLE arm for 4-71 % of the chunks;
+  4 drafter steps per RL step (drafter loss 0.45 -> 0.41); on the held-out prompts (eval/accept_length, greedy)
+  2.14 at step 0 and 2.21-2.56 later. The samples, accuracies, rewards and drafter losses are the same in every
+  fresh run (speculation never changes them); the accept lengths are not, because the bandit's choice of arm follows
+  the machine's timings: the two runs before coupled drafting gave 1.33-2.71 and 1.33-2.42 in the rollouts. On this
+  CPU the adaptive rollouts cost what plain ones do (benchmarks/README.md, "The default run").
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
 
