@@ -1,6 +1,7 @@
 """What coupled drafting adds to an EAGLE draft step: ``coupled_scores`` for one tree depth (the verifier's Gumbel
-vector over the full vocabulary, gathered to the draft vocabulary, plus the processed log-probs), timed alone by
-batch at the committed SmolLM2 drafter's shapes (vocabulary 49,152, its draft vocabulary, topk 1).
+vector over the full vocabulary, gathered to the draft vocabulary, plus the temperature-scaled log-softmax), timed
+alone by batch at the committed SmolLM2 drafter's shapes (vocabulary 49,152, its draft vocabulary, topk 1). Greedy
+batches pay the same: the scores do not branch on the batch's temperatures.
 
     python benchmarks/coupling_cost.py [--batches=1,4,16] [--out=benchmarks/results/coupling_cost_smollm2_cpu.json]
 """
@@ -39,7 +40,7 @@ def main(argv):
     for b in (int(x) for x in _F.batches):
         logits = jax.random.normal(jax.random.key(0), (b, 1, ids.shape[0]))
         keys = depth_keys(jnp.zeros((b, 1), jnp.int32), jnp.arange(b), jnp.zeros(b, jnp.int32), jnp.full(b, 100), 3)
-        sampling = DraftSampling(keys, jnp.full(b, 0.9), jnp.zeros(b, jnp.int32), jnp.ones(b))
+        sampling = DraftSampling(keys, jnp.full(b, 0.9))
         scores(logits, sampling).block_until_ready()  # compile
         times = []
         for _ in range(_F.reps):

@@ -121,7 +121,9 @@ def test_prompt_context_reaches_the_drafter_buffer(tmp_path):
 def test_online_training_raises_the_accept_length_of_a_fresh_drafter(tmp_path):
     """From a freshly initialised drafter, while the tiny policy converges on its target token: with 8 drafter steps
     after every rollout the accept length climbs; with none (steps_without_idle=0 on one slice: no slice is ever
-    idle) it stays where a random drafter is, in the rollouts and in the final held-out evaluation."""
+    idle) it falls. At T = 1 the random policy starts near uniform, where a random drafter's coupled samples (drafted
+    under the verifier's noise) match it about as well as any; once the policy has converged only a trained drafter
+    keeps up. The final greedy held-out evaluation tells them apart too."""
     common = ("--config.train.num_steps=16", *QUIET, *TREE, "--config.drafter.online=True", "--config.drafter.lr=3e-3",
               "--config.checkpoint.every_steps=100")
     final = {"adapt": run(_cfg("tiny.py", *common, "--config.drafter.steps_without_idle=8"), str(tmp_path / "adapt")),
@@ -133,7 +135,7 @@ def test_online_training_raises_the_accept_length_of_a_fresh_drafter(tmp_path):
     print({k: np.round(v, 2).tolist() for k, v in acc.items()})
     first, last = (lambda a: np.mean(a[:3])), (lambda a: np.mean(a[-3:]))
     assert last(acc["adapt"]) > first(acc["adapt"]) + 0.5, acc
-    assert abs(last(acc["static"]) - first(acc["static"])) < 0.25, acc
+    assert last(acc["static"]) < first(acc["static"]) - 0.5, acc
     assert last(acc["adapt"]) > 1.5 * last(acc["static"]), acc
     # drafter/top1: agreement with the policy on the step's own responses, which the scoring drafter never saw.
     top1 = {name: [r["drafter/top1"] for _, r in sorted(_train_rows(tmp_path / name).items())] for name in acc}

@@ -1,6 +1,7 @@
 """Lossless sampling, statistically: the joint law of the first two tokens emitted by tree verification equals the
 exact joint of plain sampling (chi-square goodness of fit, 64 cells, 20k samples run as one batch), at temperature 1,
-with top-p and with temperature + top-k; and two deliberately wrong variants fail the same test (power)."""
+with top-p and with temperature + top-k; trees drafted from the verifier's own keys (coupled drafting) pass it too;
+and two deliberately wrong variants fail the same test (power)."""
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ def exact_joint(policy, temperature, top_k, top_p):
     return p1[:, None] * p2
 
 
-def coupled_tree(drafter_policy, temperature, top_k, top_p, deterministic=False):
+def coupled_tree(drafter_policy, temperature, deterministic=False):
     """A tree builder for the first verify step: 3 children of the root and 2 per child, each the top scores of
     ``coupled_scores`` over the drafter's logits, so every row's tree depends on the verifier's keys (as the EAGLE
     drafter's trees do for sampled rows). ``deterministic``: the drafter's plain top-k instead (the same drafter
@@ -68,7 +69,7 @@ def coupled_tree(drafter_policy, temperature, top_k, top_p, deterministic=False)
     root_logits, child_logits = logits[0, 3], logits[1:, 4]  # [V], [V (child token), V]
 
     def build(root, keys):
-        sampling = DraftSampling(keys, jnp.full(B, temperature), jnp.full(B, top_k, jnp.int32), jnp.full(B, top_p))
+        sampling = DraftSampling(keys, jnp.full(B, temperature))
         score = lambda lg, d: lg if deterministic else coupled_scores(lg, sampling, d, V)  # noqa: E731
         kids = jax.lax.top_k(score(jnp.broadcast_to(root_logits, (B, V)), 0), 3)[1]  # [B, 3]
         grand = jax.lax.top_k(score(child_logits[kids], 1), 2)[1]  # [B, 3, 2]
@@ -165,21 +166,22 @@ def test_tree_sampling_matches_exact_joint(seed, temperature, top_k, top_p):
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 0.9)])
 def test_trees_drafted_from_the_verifiers_keys_stay_exact(seed, temperature, top_k, top_p):
     """Trees built from the verifier's own noise (coupled drafting) keep the exact joint: every position's key is
-    plain decoding's, so the emitted tokens are plain sampling's whatever the tree holds. With the policy as its own
-    drafter the coupled tree is accepted whole on (almost) every row; the same drafter's deterministic top-k tree is
-    accepted less."""
+    plain decoding's, so the emitted tokens are plain sampling's whatever the tree holds. Without top-k / top-p (the
+    drafter guesses from the temperature-scaled distribution only) the policy as its own drafter has its coupled tree
+    accepted whole on (almost) every row, and the same drafter's deterministic top-k tree is accepted less."""
     policy = make_policy(seed)
     table = draft_table(seed, policy)
     joint = exact_joint(policy, temperature, top_k, top_p)
     for drafter in (make_policy(seed + 10), policy):
         first, second, accepted = spec_two_tokens(policy, table, seed, temperature, top_k, top_p,
-                                                  first_tree=coupled_tree(drafter, temperature, top_k, top_p))
+                                                  first_tree=coupled_tree(drafter, temperature))
         p, tv = chi2(first, second, joint)
         assert p > 1e-3 and tv < 0.03, (p, tv)
-    assert (accepted == 2).mean() > 0.99
-    _, _, plain_top_k = spec_two_tokens(policy, table, seed, temperature, top_k, top_p,
-                                        first_tree=coupled_tree(policy, temperature, top_k, top_p, deterministic=True))
-    assert plain_top_k.mean() < accepted.mean() - 0.01
+    if top_k == 0 and top_p == 1.0:
+        assert (accepted == 2).mean() > 0.99
+        _, _, plain_top_k = spec_two_tokens(policy, table, seed, temperature, top_k, top_p,
+                                            first_tree=coupled_tree(policy, temperature, deterministic=True))
+        assert plain_top_k.mean() < accepted.mean() - 0.01
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -181,9 +181,9 @@ def commit_verify(state: DecodeState, out: VerifyOutput, side: str) -> DecodeSta
 
 
 def row_sampling(state: DecodeState, spec: SpecConfig) -> DraftSampling:
-    """The rows' verify keys (plain decoding's, by position) and sampling params, for the drafter and the verifier."""
+    """The rows' verify keys (plain decoding's, by position) and temperatures, for the drafter and the verifier."""
     keys = depth_keys(state.seed[:, None], state.request_id, state.sample_id, state.cache.lengths + 1, spec.depth)
-    return DraftSampling(keys, state.temperature, state.top_k, state.top_p)
+    return DraftSampling(keys, state.temperature)
 
 
 def verify_rows(model, state: DecodeState, tree: Tree, spec: SpecConfig, length: int,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.models.kv_cache import KVCache
-from tlt_jax.sampling import gumbel_noise, processed_logprobs
+from tlt_jax.sampling import gumbel_noise
 
 
 @jax.tree_util.register_dataclass
@@ -204,32 +204,30 @@ def select_tree(scores, tokens, parents, root, num_nodes: int, max_depth: int) -
 
 class DraftSampling(NamedTuple):
     """The verifier's sampling for each row: keys [B, D+1] (``depth_keys``: entry d keys the sample made at tree
-    depth d) and temperature / top_k / top_p [B]."""
+    depth d) and temperature [B] (0 = greedy)."""
 
     keys: jax.Array
     temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
 
 
 def coupled_scores(logits: jax.Array, sampling: DraftSampling, d: int, vocab: int, ids=None) -> jax.Array:
     """Draft scores [B, ..., Vd] for children that guess the policy's sample at depth d. Sampled rows: the drafter's
-    processed log-probs plus the Gumbel noise the verifier will add there, so the top child is the drafter's own
-    sample coupled to the policy's: it matches whenever the two Gumbel-max choices agree, with probability at least
-    (1 - TV) / (1 + TV) for the drafter's q and the policy's p, against p(argmax q) for a deterministic draft. Greedy
-    rows keep the raw logits. Exactness does not depend on it: verification emits plain decoding's tokens (same
-    keys) whatever the tree holds."""
-    b = logits.shape[0]
-    lead = (b,) + (1,) * (logits.ndim - 2)
+    temperature-scaled log-probs plus the Gumbel noise the verifier will add there, so the top child is the drafter's
+    own sample coupled to the policy's: it matches whenever the two Gumbel-max choices agree, with probability at
+    least (1 - TV) / (1 + TV) for the drafter's q and the policy's p, against p(argmax q) for a deterministic draft.
+    Greedy rows keep the raw logits. Exactness does not depend on it: verification emits plain decoding's tokens
+    (same keys) whatever the tree holds.
 
-    def perturb(_):
-        g = gumbel_noise(sampling.keys[:, d], vocab)  # [B, V]: the verifier's noise for this depth
-        g = (g if ids is None else jnp.take(g, ids, axis=1)).reshape(lead + (logits.shape[-1],))
-        t = sampling.temperature.reshape(lead)
-        lp = processed_logprobs(logits, t, sampling.top_k.reshape(lead), sampling.top_p.reshape(lead))
-        return jnp.where((t > 0)[..., None], lp + g, logits)
-
-    return jax.lax.cond(jnp.all(sampling.temperature <= 0.0), lambda _: logits, perturb, None)
+    No top-k / top-p filter and no branch on the batch: a predicate over a batch-sharded array is a cross-device
+    reduction, and independent collectives in flight together deadlocked XLA:CPU's in-process all-reduce (8 devices,
+    2 cores). Rows sampled with top-k / top-p lose a little acceptance; greedy batches pay the noise (timed in
+    benchmarks/coupling_cost.py)."""
+    lead = (logits.shape[0],) + (1,) * (logits.ndim - 2)
+    g = gumbel_noise(sampling.keys[:, d], vocab)  # [B, V]: the verifier's noise for this depth
+    g = (g if ids is None else jnp.take(g, ids, axis=1)).reshape(lead + (logits.shape[-1],))
+    t = sampling.temperature.reshape(lead)[..., None]
+    scaled = jax.nn.log_softmax(logits / jnp.where(t > 0, t, 1.0), axis=-1)
+    return jnp.where(t > 0, scaled + g, logits)
 
 
 def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: int, topk: int, num_nodes: int,
@@ -245,7 +243,7 @@ def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: i
     ``cache.view`` covering the longest row + scratch to bound the attention reads. With a draft vocabulary on the
     drafter (``EagleDrafter.set_draft_vocab``) the LM head runs over those tokens only. ``head``: a precomputed
     ``draft_head(policy, drafter)`` (callers that draft several times per compiled call gather the rows once).
-    ``sampling``: the verifier's keys and sampling params; sampled rows then rank children by ``coupled_scores``.
+    ``sampling``: the verifier's keys and temperatures; sampled rows then rank children by ``coupled_scores``.
     """
     cfg = policy.config
     head, ids = draft_head(policy, drafter) if head is None else head
