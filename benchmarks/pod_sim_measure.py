@@ -84,13 +84,14 @@ def measure_costs(engine: RolloutEngine, keys: set[tuple], prompts, reps: int = 
         elif key[0] == "verify":
             _, b, length, _arm = key
             spc, per = engine.spec.steps_per_call, engine.spec.depth + 1
+            rounds = (jnp.int32(spc),) if engine.drafter_kind == "eagle" else ()  # the state stops after `steps`
             times = {}
             for steps in (1, spc):
                 runs = []
                 for _ in range(reps):
                     st = _decode_state(engine, b, length, steps, per)
-                    exe = engine.pool.get(StepKey("verify", b, length, engine.spec_arm), params, st)
-                    runs.append(_timed(exe, params, st)[1])
+                    exe = engine.pool.get(StepKey("verify", b, length, engine.spec_arm), params, st, *rounds)
+                    runs.append(_timed(exe, params, st, *rounds)[1])
                 times[steps] = statistics.median(runs)
             per_s = max(0.0, (times[spc] - times[1]) / (spc - 1))
             costs.steps[key] = (times[1] - per_s, per_s)

@@ -125,13 +125,15 @@ def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -
         copies are of the state after one untimed call, so an EAGLE step's drafter is already caught up over the
         prompt (the lazy drafter cache: a fresh prefill leaves that to the first verify step)."""
         state = prefilled(engine)
-        exe = engine.pool.get(StepKey(phase, 1, length, arm), engine.step_params(), state)
-        state = jax.block_until_ready(exe(engine.step_params(), copy(state)))[0]
+        eagle = engine.drafter_kind == "eagle" and phase == "verify"
+        rounds = (jnp.int32(engine.spec.steps_per_call),) if eagle else ()  # the EAGLE step's rounds argument
+        exe = engine.pool.get(StepKey(phase, 1, length, arm), engine.step_params(), state, *rounds)
+        state = jax.block_until_ready(exe(engine.step_params(), copy(state), *rounds))[0]
         times = []
         for _ in range(reps):
             fresh = jax.block_until_ready(copy(state))
             t = time.perf_counter()
-            jax.block_until_ready(exe(engine.step_params(), fresh))
+            jax.block_until_ready(exe(engine.step_params(), fresh, *rounds))
             times.append(time.perf_counter() - t)
         return 1000 * float(np.median(times))
 

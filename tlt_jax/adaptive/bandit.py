@@ -3,7 +3,9 @@
 One bandit per batch bucket (the engine's compiled batch buckets; a ``table`` may restrict a bucket to some arms). The
 engine reports every host round trip as (arm, bucket, tokens, seconds, steps, live rows averaged over its steps); the
 reward is tokens per second per live row (a bucket's compiled step costs the same whatever its live rows, so per row
-the arms compare alike early and late in a wave, and a row finishing mid-trip counts only for the steps it ran).
+the arms compare alike early and late in a wave, and a row finishing mid-trip counts only for the steps it ran). The
+engine leaves one-off costs out: an EAGLE round trip's drafter catch-up over pairs other arms recorded is timed apart,
+and the round trip that runs a compiled step for the first time is not reported (``tlt_jax.rollout.run``).
 Each bucket keeps its last ``window`` observations over all its arms; an arm's estimate there is the median reward of
 its observations in the window, or, if it has none, an estimate transferred from the nearest bucket that measured it
 together with an arm this bucket measured (relative speed carries over, absolute speed does not;

@@ -224,6 +224,8 @@ class RolloutEngine:
 
     def _abstract_args(self, arm: Arm, b: int, length: int) -> tuple:
         state = self.ctx.abstract_state(b)
+        if arm.kind == "eagle":
+            return self.step_params(), state, jax.ShapeDtypeStruct((), jnp.int32, sharding=self.ctx.replicated())
         if arm.kind != "ngram":
             return self.step_params(), state
         shape = (b, arm.verify_tokens)

@@ -103,6 +103,7 @@ class StepPool:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self._ran: set[StepKey] = set()
 
     def register(self, phase: str, arm: str, builder: Builder) -> None:
         """Builder for every key with this (phase, arm): key -> jitted function (not yet compiled)."""
@@ -146,9 +147,18 @@ class StepPool:
         while len(self._compiled) > 1 and (len(self._compiled) > self.budget or self._over_bytes()):
             old, _ = self._compiled.popitem(last=False)
             self.bytes -= self._bytes.pop(old)
+            self._ran.discard(old)
             self.evictions += 1
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         return exe
+
+    def first_run(self, key: StepKey) -> bool:
+        """Whether the pooled step ``key`` is about to run for the first time (and marks it run). A first execution
+        pays one-off costs (measured by ``benchmarks/first_run_cost.py``), so a timing of it says little about the
+        step's speed."""
+        first = key not in self._ran
+        self._ran.add(key)
+        return first
 
     def _over_bytes(self) -> bool:
         return self.max_bytes is not None and self.bytes > self.max_bytes

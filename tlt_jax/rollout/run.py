@@ -45,6 +45,7 @@ class GenerateRun:
         self.compactions: list[dict] = []
         self.switches: list[dict] = []
         self.steps = 0
+        self._rounds_arg: dict[int, Any] = {}  # EAGLE verify rounds -> its device scalar
         self.on_chunk: Callable[[int], None] | None = None
         # n-gram drafting: every sample's generated tokens so far, kept from the info of each call (no extra read).
         self.gen: list[list[int]] | None = [[] for _ in range(n_total)] if engine.ngram is not None else None
@@ -111,6 +112,7 @@ class GenerateRun:
         state, info, slots, plen_row, maxnew_row = self.prefill(rows)
         b, k = len(slots), e.chunk_size
         wave_t0, spec_on = time.perf_counter(), False
+        drafter_current = False  # an EAGLE verify ran last: no prefill / plain / n-gram pairs left to catch up over
         gate = SpecGate(e.spec.threshold, e.spec.patience) if e.spec else None  # per wave: hysteresis
         while True:
             done, ngen = info.done, info.num_generated
@@ -153,15 +155,30 @@ class GenerateRun:
             key, args = step_key(arm, b, length), (e.step_params(), state)
             if arm.kind == "ngram":
                 args = (*args, *map(self._put, self._ngram_trees(arm, live, slots)))
+            elif arm.kind == "eagle":
+                args = (*args, self._rounds(self._spec_steps(arm)))
             host_s = time.perf_counter() - t0
             exe = e.pool.get(key, *args)
+            catchup_s = 0.0
+            if arm.kind == "eagle" and e.bandit is not None and not drafter_current:
+                # The drafter's catch-up over the pairs other arms recorded is a cost of switching, not of the arm:
+                # run it alone (0 rounds) and keep it out of the bandit's reward (it stays in the chunk's seconds).
+                t0 = time.perf_counter()
+                state = jax.block_until_ready(exe(args[0], state, self._rounds(0))[0])
+                catchup_s = time.perf_counter() - t0
+                args = (args[0], state, args[2])
+            first = e.pool.first_run(key)
             t0 = time.perf_counter()
             state, packed = exe(*args)
             info = StepInfo.unpack(jax.device_get(packed), speculative=arm.speculative)
             dt = time.perf_counter() - t0 + host_s
+            drafter_current = arm.kind == "eagle"
             emitted = info.num_generated - ngen
             tokens = int(emitted.sum())
-            chunk = dict(batch=b, active=n_live, length=length, arm=key.arm, choice=str(arm), seconds=dt, tokens=tokens)
+            chunk = dict(
+                batch=b, active=n_live, length=length, arm=key.arm, choice=str(arm), seconds=dt + catchup_s,
+                tokens=tokens, first_run=first,
+            )
             if not arm.speculative:
                 chunk["steps"] = int(emitted.max(initial=0))
             else:
@@ -171,14 +188,22 @@ class GenerateRun:
                     row_verifies=int(info.verifies.sum()),
                     accepted=int(info.accepted.sum()),
                     host_seconds=host_s,
+                    catchup_seconds=catchup_s,
                 )
             self.steps += chunk["steps"]
-            if e.bandit is not None:  # every process feeds the same numbers: tokens are replicated, seconds agreed
+            if e.bandit is not None and not first:  # a step's first run is not a measure of it (``first_run``);
+                # every process feeds the same numbers: tokens are replicated, seconds agreed
                 rows = chunk.get("row_verifies", tokens) / max(chunk["steps"], 1)  # live rows per step (plain: 1 token)
                 e.bandit.observe(arm, b, tokens, agreed_seconds(dt), chunk["steps"], rows=rows)
             self._keep_tokens(info, ngen, slots)
             self.chunks.append(chunk)
         self._harvest(state, slots >= 0, slots, info.num_generated)
+
+    def _rounds(self, n: int):
+        """The EAGLE verify step's rounds argument (replicated int32 scalar), made once per value."""
+        if n not in self._rounds_arg:
+            self._rounds_arg[n] = self._put(np.int32(n), True)
+        return self._rounds_arg[n]
 
     def _spec_steps(self, arm: Arm) -> int:
         return 1 if arm.kind == "ngram" else self.e.arm_specs[arm].steps_per_call
@@ -320,6 +345,7 @@ class GenerateRun:
                 mean_accepted_drafts=sum(c["accepted"] for c in spec) / row_verifies if row_verifies else 0.0,
                 tokens=spec_tokens,
                 host_seconds=sum(c["host_seconds"] for c in spec),
+                catchup_seconds=sum(c["catchup_seconds"] for c in spec),
             ),
             chunk_size=e.chunk_size,
             chunks=self.chunks,

@@ -209,8 +209,9 @@ def verify_rows(model, state: DecodeState, tree: Tree, spec: SpecConfig, length:
 
 
 def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
-    """Key: ("verify", B, Lb, arm). Args: (policy, drafter) params, DecodeState [B] (donated). Up to steps_per_call
-    EAGLE-2 draft → verify → commit → drafter extend rounds."""
+    """Key: ("verify", B, Lb, arm). Args: (policy, drafter) params, DecodeState [B] (donated), rounds (int32 scalar,
+    at most steps_per_call). Catches the drafter up, then up to ``rounds`` EAGLE-2 draft → verify → commit → drafter
+    extend rounds; rounds = 0 only catches up (the adaptive engine times that apart from the bandit's reward)."""
     length = key.length
     dlen = min(length + (spec.depth - 1) * spec.topk, ctx.drafter_len)  # committed context + draft scratch
 
@@ -229,7 +230,7 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
         )
         return commit_verify(state, out, ctx.capture_side).replace(aux=sync.replace(draft=ds)), out.accept_len
 
-    def step(params, state: DecodeState):
+    def step(params, state: DecodeState, rounds):
         model, drafter = ctx.merge(params)
         aux = catch_up(model, drafter, state.aux, state.cache.lengths, state.done, piece=ctx.chunk_size,
                        attend_len=dlen)
@@ -239,7 +240,7 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
         ngen = state.num_generated
 
         def cond(c):
-            return (c[0] < spec.steps_per_call) & jnp.any(~c[1].done)
+            return (c[0] < jnp.minimum(rounds, spec.steps_per_call)) & jnp.any(~c[1].done)
 
         def body(c):
             i, s, nv, acc = c
