@@ -13,7 +13,12 @@ decoded, so every mode samples the same tokens: the script asserts identical rew
 - ``tlt``: the adaptive engine and the drafter trained online on the policy's rollouts (``drafter.online``).
 - ``config``: the config file as it is (configs/gsm8k.py is ``tlt``).
 
+Modes run one after the other, so a drift in the machine's speed lands in their ratios; ``--repeats N`` runs every
+mode N times, alternating the order (A B, B A, ...), and reports each mode's ratios to "off" per repeat (the two ran
+next to each other) and from each step's fastest rollout over the repeats (every repeat decodes the same tokens).
+
     python benchmarks/e2e_step.py --configs gsm8k --modes off,static,tlt --steps 6   # the default run's table
+    python benchmarks/e2e_step.py --configs gsm8k --modes off,adaptive --steps 8 --repeats 3
     python benchmarks/e2e_step.py --configs tiny --steps 10 --modes off,ngram
 """
 
@@ -147,6 +152,46 @@ STEP_EXTRAS = ("rollout/tail_share", "rollout/compile_s", "rollout/tokens", "rol
                "drafter/top1", "controller/train_s", "reward/mean", "reward/accuracy", "response/len_max")
 
 
+def repeat_record(res: dict) -> dict:
+    """What one repeat of a mode keeps: its sums over the steady steps and each step's rollout seconds."""
+    return {
+        "steady_sum": res["steady_sum"],
+        "rollout_s_per_step": [r["time/rollout_s"] for r in res["per_step"]],
+        "compile_s_per_step": [r["rollout/compile_s"] or 0.0 for r in res["per_step"]],
+        "accept_length_per_step": res["accept_length_per_step"],
+        "wall_s_including_setup_and_final_eval": res["wall_s_including_setup_and_final_eval"],
+    }
+
+
+def compare_to_off(off: list[dict], runs: list[dict]) -> dict:
+    """Steady-step ratios of a mode against "off": per repeat (the two ran next to each other) and from each step's
+    fastest rollout over the repeats (every repeat decodes the same tokens, so machine noise only adds seconds)."""
+    def sums(res):
+        s = res["steady_sum"]
+        return s["time/step_s"], s["time/rollout_s"], s["time/rollout_s"] - s["rollout/compile_s"]
+
+    def fastest(rs, compile_too):
+        steps = [r["per_step"][1:] for r in rs]  # steady steps
+        return sum(min(r[i]["time/rollout_s"] - (0.0 if compile_too else (r[i]["rollout/compile_s"] or 0.0))
+                       for r in steps) for i in range(len(steps[0])))
+
+    pairs = [(sums(o), sums(r)) for o, r in zip(off, runs, strict=True)]
+    step = [o[0] / r[0] for o, r in pairs]
+    roll = [o[1] / r[1] for o, r in pairs]
+    roll_nc = [o[2] / r[2] for o, r in pairs]
+    return {
+        "steady_step_speedup_vs_off": step[0],
+        "steady_rollout_speedup_vs_off": roll[0],
+        "steady_rollout_speedup_vs_off_without_compile": roll_nc[0],
+        "paired_step_speedup_vs_off": step,
+        "paired_rollout_speedup_vs_off": roll,
+        "paired_rollout_speedup_vs_off_without_compile": roll_nc,
+        "paired_rollout_speedup_vs_off_median": statistics.median(roll),
+        "min_rollout_speedup_vs_off": fastest(off, True) / fastest(runs, True),
+        "min_rollout_speedup_vs_off_without_compile": fastest(off, False) / fastest(runs, False),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="tiny,gsm8k")
@@ -156,6 +201,8 @@ def main():
     ap.add_argument("--drafter", default=SHIPPED, help="EAGLE drafter of static / adaptive / tlt (name or dir)")
     ap.add_argument("--static_tree", default="5x1x6", help="tree of mode static (depth x topk x verify tokens)")
     ap.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every mode this many times, alternating the order, and pair the ratios per repeat")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
 
@@ -183,32 +230,44 @@ def main():
             extra[key] = value
     results["extra_overrides"] = extra
     for name in args.configs.split(","):
-        for mode in args.modes.split(","):
-            res = bench(name, args.steps or DEFAULT_STEPS.get(name, 2), mode, args.spec_arms, args.drafter,
-                        args.static_tree, extra)
-            results["configs"].setdefault(name, {})[mode] = res
-            s = res["steady_median"]
-            print(
-                f"{name} (SD {mode}): steady step {s['time/step_s']:.2f} s = rollout {s['time/rollout_s']:.2f} "
-                f"(tail {s['time/tail_s']:.2f}) + logprob {s['time/logprob_s']:.2f} + reward {s['time/reward_s']:.2f} "
-                f"+ update {s['time/train_s']:.2f}; first step {res['first_step']['time/step_s']:.2f} s; "
-                f"{res['rollout_tokens_per_s']:.1f} rollout tok/s; accept lengths {res['accept_length_per_step']}",
-                flush=True,
-            )
-        modes = results["configs"][name]
-        rewards = {m: r["reward_per_step"] for m, r in modes.items()}
+        modes_list = args.modes.split(",")
+        runs: dict[str, list[dict]] = {m: [] for m in modes_list}
+        for rep in range(args.repeats):
+            # Alternate the order (A B, B A, ...) so a drift in the machine's speed lands on both sides.
+            for mode in modes_list if rep % 2 == 0 else modes_list[::-1]:
+                res = bench(name, args.steps or DEFAULT_STEPS.get(name, 2), mode, args.spec_arms, args.drafter,
+                            args.static_tree, extra)
+                runs[mode].append(res)
+                s, ss = res["steady_median"], res["steady_sum"]
+                print(
+                    f"{name} (SD {mode}, repeat {rep + 1}/{args.repeats}): steady step {s['time/step_s']:.2f} s = "
+                    f"rollout {s['time/rollout_s']:.2f} (tail {s['time/tail_s']:.2f}) + logprob "
+                    f"{s['time/logprob_s']:.2f} + reward {s['time/reward_s']:.2f} + update {s['time/train_s']:.2f}; "
+                    f"first step {res['first_step']['time/step_s']:.2f} s; steady rollout sum "
+                    f"{ss['time/rollout_s']:.2f} s (compile {ss['rollout/compile_s']:.2f}); "
+                    f"{res['rollout_tokens_per_s']:.1f} rollout tok/s; accept lengths {res['accept_length_per_step']}",
+                    flush=True,
+                )
+        modes = results["configs"].setdefault(name, {})
+        for mode, rs in runs.items():
+            modes[mode] = {**rs[0], "repeats": [repeat_record(r) for r in rs]}
+        rewards = {f"{m}#{i}": r["reward_per_step"] for m, rs in runs.items() for i, r in enumerate(rs)}
         same = all(v == next(iter(rewards.values())) for v in rewards.values())
-        results["configs"][name]["_rewards_identical_across_modes"] = same
-        if "off" in modes:
-            base = modes["off"]["steady_sum"]
-            for r in modes.values():
-                if isinstance(r, dict) and "steady_sum" in r:
-                    s = r["steady_sum"]
-                    r["steady_step_speedup_vs_off"] = base["time/step_s"] / s["time/step_s"]
-                    r["steady_rollout_speedup_vs_off"] = base["time/rollout_s"] / s["time/rollout_s"]
-                    r["steady_rollout_speedup_vs_off_without_compile"] = (
-                        (base["time/rollout_s"] - base["rollout/compile_s"])
-                        / (s["time/rollout_s"] - s["rollout/compile_s"]))
+        modes["_rewards_identical_across_modes"] = same
+        if "off" in runs:
+            for mode, rs in runs.items():
+                modes[mode].update(compare_to_off(runs["off"], rs))
+                if mode != "off":
+                    c = modes[mode]
+                    print(
+                        f"{name}: {mode} vs off, steady rollout: paired per repeat "
+                        f"{[round(x, 3) for x in c['paired_rollout_speedup_vs_off']]} (median "
+                        f"{c['paired_rollout_speedup_vs_off_median']:.3f}; without compile "
+                        f"{[round(x, 3) for x in c['paired_rollout_speedup_vs_off_without_compile']]}); "
+                        f"per-step fastest over repeats {c['min_rollout_speedup_vs_off']:.3f} (without compile "
+                        f"{c['min_rollout_speedup_vs_off_without_compile']:.3f})",
+                        flush=True,
+                    )
         print(f"{name}: rewards identical across modes: {same}", flush=True)
         if not same:
             raise AssertionError(f"{name}: the modes sampled different rewards per step: {rewards}")

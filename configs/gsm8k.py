@@ -31,10 +31,10 @@ whose speed drifts by tens of percent):
   the machine's timings: the two runs before coupled drafting gave 1.33-2.71 and 1.33-2.42 in the rollouts, and a
   run at the final version of coupled drafting (9 min 12 s, median step 28 s) 1.73-2.67 (no EAGLE chunk in step 3),
   2.14-2.71 held out; another on 2026-11-26 (7 min 45 s, median step 27 s) 1.75-2.75 in the rollouts (none in step
-  3), held out 2.14, 2.20 and 3.17 (steps 0, 4, 12). Whether the adaptive rollouts cost more or less than plain ones
-  here is inside this machine's run-to-run noise: 0.99x (compiles included) in one run before coupled drafting, 0.80x
-  in two after it, with plain's own rollout time moving by 26 % between those two (benchmarks/README.md, "The
-  default run").
+  3), held out 2.14, 2.20 and 3.17 (steps 0, 4, 12). On this CPU the adaptive rollouts cost more than plain ones:
+  over 12 steps with the drafter frozen, repeated twice with the order alternating, 0.90x and 0.91x plain's speed
+  with compiles of the extra arms' programs, 0.97x and 0.96x without them (benchmarks/README.md, "Adaptive vs off on
+  the default run").
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
 
