@@ -165,7 +165,7 @@ def repeat_record(res: dict) -> dict:
 
 def compare_to_off(off: list[dict], runs: list[dict]) -> dict:
     """Steady-step ratios of a mode against "off": per repeat (the two ran next to each other) and from each step's
-    fastest rollout over the repeats (every repeat decodes the same tokens, so machine noise only adds seconds)."""
+    fastest rollout over the repeats (every repeat decodes the same tokens, so machine noise mostly adds seconds)."""
     def sums(res):
         s = res["steady_sum"]
         return s["time/step_s"], s["time/rollout_s"], s["time/rollout_s"] - s["rollout/compile_s"]
@@ -205,6 +205,8 @@ def main():
                     help="run every mode this many times, alternating the order, and pair the ratios per repeat")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
 
     import jax
 
