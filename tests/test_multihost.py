@@ -202,16 +202,19 @@ try:
     diverged = ""
 except RuntimeError as e:
     diverged = str(e)
+from tlt_jax.adaptive import agreed_all, agreed_seconds
+agreed = [list(agreed_all(me == 0, True, me == 1)), agreed_seconds(0.25 + me)]
 print("RESULT " + json.dumps(dict(
     me=me, batch=batch == whole, mine=seen, scores=out.scores.tolist(), info=out.info,
-    host=to_host(x * 2).tolist(), reduced=reduced, diverged=diverged)), flush=True)
+    host=to_host(x * 2).tolist(), reduced=reduced, diverged=diverged, agreed=agreed)), flush=True)
 """
 
 
 @pytest.mark.multiprocess
 def test_host_collectives_on_two_processes():
     """Global batch = the unsharded pipeline's; each process scores only its prompts and all get every score;
-    sharded arrays come to every host; metrics agree (time/* = slowest) and a divergence is an error."""
+    sharded arrays come to every host; metrics agree (time/* = slowest) and a divergence is an error; the bandit's
+    flags and seconds agree."""
     import json
 
     p = subprocess.run(
@@ -233,6 +236,8 @@ def test_host_collectives_on_two_processes():
     assert r0["host"] == r1["host"] == (np.arange(8.0).reshape(4, 2) * 2).tolist()
     assert r0["reduced"] == r1["reduced"] == {"time/step_s": 2.0, "reward/mean": 0.5}
     assert "processes diverged: metric 'reward/mean' is [0.0, 1.0]" in r0["diverged"]
+    # the bandit's agreement: a flag holds only where it holds on every process; seconds are the slowest process's
+    assert r0["agreed"] == r1["agreed"] == [[False, True, False], 1.25]
 
 
 # ----- the main job across processes ------------------------------------------------------------------------------

@@ -162,3 +162,36 @@ def test_precompile_every_reachable_arm_and_bucket_of_an_engine():
     assert res.stats["arms"] == {eng.spec_arm: res.stats["verify_steps"]}  # the engine's verify arm, from the plan
     assert {k.phase for k in eng.pool.keys()} == {"decode", "verify", "prefill"}
     assert res.stats["pool_this_call"]["compiles"] == 1
+
+
+def test_background_compile_enters_the_pool_on_the_callers_thread():
+    """``prepare`` starts a compile on the worker thread and says "not ready"; the pool changes only when the caller
+    collects it (or asks ``get`` for it, which waits instead of compiling twice); a builder's error reaches the caller.
+    """
+    import threading
+
+    threads = []
+
+    def build(key):
+        threads.append(threading.current_thread().name)
+        if key.length == 0:
+            raise ValueError("no program for length 0")
+        return jax.jit(lambda x: x * key.length)
+
+    pool = StepPool(budget=10, compiler_options=FAST)
+    pool.register("verify", "eagle", build)
+    a, b, bad = StepKey("verify", 1, 2, "eagle"), StepKey("verify", 1, 3, "eagle"), StepKey("verify", 1, 0, "eagle")
+    assert not pool.prepare(a, lambda: (X,)) and pool.compiling
+    assert not pool.prepare(a, lambda: (X,))  # once: still compiling or not yet collected, not submitted again
+    assert a not in pool and len(pool) == 0  # not pooled before the caller collects it
+    pool.collect(wait=True)
+    assert a in pool and not pool.compiling and pool.prepare(a, lambda: (X,))
+    assert not pool.prepare(b, lambda: (X,))
+    assert int(pool.get(b, X)(X)[0]) == 0 and b in pool  # get waits for the background compile
+    counters = pool.counters()
+    assert counters["compiles"] == counters["background_compiles"] == 2 and counters["misses"] == 1
+    assert threads == ["step-compile_0", "step-compile_0"]  # built on the worker thread only
+    assert not pool.prepare(bad, lambda: (X,))
+    with pytest.raises(ValueError, match="no program for length 0"):
+        pool.collect(wait=True)
+    assert bad not in pool and not pool.compiling

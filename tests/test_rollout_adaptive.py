@@ -137,6 +137,32 @@ def test_drafter_catch_up_is_kept_out_of_the_bandits_reward(model, drafter):
     assert calls[1]["spec"]["catchup_seconds"] == sum(c.get("catchup_seconds", 0) for c in calls[1]["chunks"]) > 0
 
 
+def test_background_compile_decodes_plain_meanwhile(model, drafter, plain):
+    """background_compile: the bandit's first pick of EAGLE finds its step not compiled; it compiles on the pool's
+    worker thread while that chunk (and any other until it is in) decodes plain, the same tokens, and the bandit
+    hears nothing of round trips that overlapped a compile. Once the step is in, the arm runs."""
+    spec = SpecConfig(arms=("off", "eagle:3x2x6"), epsilon=1.0, margin=1.0, time_share=False, threshold=8)
+    engine = RolloutEngine(model, drafter=drafter, spec=spec, background_compile=True, **KW)
+    calls = [engine.generate(PROMPTS, GREEDY)]
+    engine.pool.collect(wait=True)
+    assert engine.pool.counters()["background_compiles"] >= 1
+    engine.precompile()  # whatever the first call did not reach: nothing waits in the second call
+    calls.append(engine.generate(PROMPTS, GREEDY))
+    ref = plain.generate(PROMPTS, GREEDY)
+    for res in calls:
+        assert_same(res, ref)
+    first, second = (r.stats["chunks"] for r in calls)
+    waited = [c for c in first if "waited_for" in c]
+    assert waited[0]["waited_for"] == "eagle:3x2x6" and waited[0]["choice"] == "off"  # after "off" was measured
+    assert all(c["compile_overlap"] for c in waited)
+    observed = [c for c in first + second if not c["first_run"] and not c.get("compile_overlap")]
+    assert len(observed) < len(first + second)
+    steps = engine.bandit.stats()["steps"]
+    assert sum(s for per in steps.values() for s in per.values()) == sum(c["steps"] for c in observed)
+    assert not any("waited_for" in c or "compile_overlap" in c for c in second)
+    assert "eagle:3x2x6" in {c["choice"] for c in second}
+
+
 def test_patience_delays_speculation_and_ngram_arms_need_no_drafter(model, plain):
     spec = SpecConfig(arms=("off", "ngram:3x2x6"), epsilon=0.0, threshold=8, patience=2)
     eng = RolloutEngine(model, spec=spec, pool_max_bytes=10**9, **KW)  # n-gram arms: no drafter object

@@ -239,7 +239,9 @@ def fresh_eagle_drafter(cfg, model_config):
 def adaptive_spec(cfg, model_config) -> dict:
     """Engine arguments of ``rollout.speculative="adaptive"``: the bandit over ``rollout.spec_arms``, with the EAGLE
     drafter of ``rollout.drafter_path`` (or a fresh one that trains online) when an arm needs it. Seeded by
-    train.seed, so every process (and a rerun) takes the same decisions from the same measurements."""
+    train.seed, so every process (and a rerun) takes the same decisions from the same measurements. A speculative
+    step met for the first time compiles in the background while plain decoding goes on (``background_compile``),
+    so the rollout never waits for a program that plain decoding does not need."""
     from tlt_jax.adaptive import parse_arms
     from tlt_jax.rollout import SpecConfig
 
@@ -256,7 +258,7 @@ def adaptive_spec(cfg, model_config) -> dict:
     drafter = None
     if any(a.kind == "eagle" for a in arms):  # an empty drafter_path (drafter.online, config-checked): a fresh one
         drafter = load_eagle_drafter(cfg, model_config) if r.drafter_path else fresh_eagle_drafter(cfg, model_config)
-    return dict(drafter=drafter, spec=spec)
+    return dict(drafter=drafter, spec=spec, background_compile=True)
 
 
 def restore_engine_state(engine, controller: dict) -> None:

@@ -5,7 +5,7 @@ from tlt_jax.adaptive.arms import Arm, max_verify_tokens, parse_arm, parse_arms
 from tlt_jax.adaptive.bandit import Bandit, BanditConfig, make_bandit
 from tlt_jax.adaptive.estimates import Estimate
 from tlt_jax.adaptive.gate import SpecGate
-from tlt_jax.adaptive.sync import agreed_seconds
+from tlt_jax.adaptive.sync import agreed_all, agreed_seconds
 
 __all__ = [
     "Arm",
@@ -13,6 +13,7 @@ __all__ = [
     "BanditConfig",
     "Estimate",
     "SpecGate",
+    "agreed_all",
     "agreed_seconds",
     "make_bandit",
     "max_verify_tokens",

@@ -6,6 +6,10 @@ process's measurement by the maximum over processes (an SPMD step takes as long 
 process feeds its own bandit (same config, same seed) the same numbers in the same order, and every bandit holds the
 same state: the same choices follow without a second collective, and any process's state is the checkpoint. In one
 process it is the identity and touches no collective.
+
+Background compiles (``tlt_jax.rollout.pool.StepPool.prepare``) finish at different times in different processes, so
+whether a speculative arm's step is ready, and whether a round trip overlapped a compile, are agreed the same way
+(``agreed_all``: true only where true on every process).
 """
 
 from __future__ import annotations
@@ -22,3 +26,13 @@ def agreed_seconds(seconds: float) -> float:
 
     gathered = multihost_utils.process_allgather(np.asarray(seconds, np.float32))
     return float(np.max(np.asarray(gathered)))
+
+
+def agreed_all(*flags: bool) -> tuple[bool, ...]:
+    """Each flag AND-ed over all JAX processes (one collective for all of them; none in one process)."""
+    if jax.process_count() == 1:
+        return tuple(bool(f) for f in flags)
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(flags, np.int32))
+    return tuple(bool(v) for v in np.asarray(gathered).reshape(-1, len(flags)).min(axis=0))

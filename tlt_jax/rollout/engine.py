@@ -32,12 +32,10 @@ from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.params import HiddenCapture, RolloutResult, SamplingParams
 from tlt_jax.rollout.plan import reachable_plan
 from tlt_jax.rollout.pool import StepKey, StepPool
-from tlt_jax.rollout.run import GenerateRun
+from tlt_jax.rollout.run import OFF, GenerateRun
 from tlt_jax.rollout.spec_steps import SpecConfig, register_spec, resolve_drafter
 from tlt_jax.rollout.steps import StepContext, register_plain
 from tlt_jax.speculative import NgramDrafter
-
-OFF = Arm("off")
 
 
 class RolloutEngine:
@@ -47,7 +45,10 @@ class RolloutEngine:
     the decode batch is sharded on 'data'/'fsdp' where the bucket divides). max_batch: rows decoded together (a
     wave). max_len: KV-cache capacity per row (prompt + generated). chunk_size: decode steps per host round trip.
     batch_buckets / length_buckets: the shapes compiled steps are specialised to. precompile: compile every decode
-    and compaction step ahead of time (prefill compiles on first use, its shape depends on the call). pool_budget:
+    and compaction step ahead of time (prefill compiles on first use, its shape depends on the call).
+    background_compile: a speculative step met for the first time compiles on the pool's worker thread while plain
+    decoding (the same tokens) goes on, instead of stopping the rollout; which arm runs then depends on when the
+    compile finishes (the tokens do not). pool_budget:
     most compiled steps kept (LRU); pool_max_bytes: most bytes of compiled code kept (None = no byte bound).
     compaction: drop finished rows into smaller buckets (False keeps them frozen in
     place; may be changed between calls). tail_threshold: chunks with at most this many live rows count as tail.
@@ -79,6 +80,7 @@ class RolloutEngine:
         batch_buckets: Sequence[int] = bk.DEFAULT_BATCH_BUCKETS,
         length_buckets: Sequence[int] | None = None,
         precompile: bool = False,
+        background_compile: bool = False,
         pool_budget: int = 128,
         pool_max_bytes: int | None = None,
         compaction: bool = True,
@@ -108,6 +110,7 @@ class RolloutEngine:
         self.batch_buckets = bk.batch_buckets(self.max_batch, batch_buckets)
         self.length_buckets = bk.length_buckets(self.max_len, length_buckets)
         self.compaction = compaction
+        self.background_compile = bool(background_compile)
         self.tail_threshold = int(tail_threshold)
         self.capture = capture
         self.max_stop_tokens = int(max_stop_tokens)
@@ -209,7 +212,7 @@ class RolloutEngine:
         table = BanditConfig(self.arms)
         self.pool.precompile(
             reachable_plan(
-                table, self.batch_buckets, self.length_buckets, threshold, self._abstract_args, self.compaction
+                table, self.batch_buckets, self.length_buckets, threshold, self.abstract_args, self.compaction
             )
         )
         if not self.compaction:
@@ -222,7 +225,8 @@ class RolloutEngine:
                     ok = jax.ShapeDtypeStruct((dst,), jnp.bool_, sharding=rep)
                     self.pool.compile(StepKey("compact", dst, 0, "plain", (b,)), state, idx, ok)
 
-    def _abstract_args(self, arm: Arm, b: int, length: int) -> tuple:
+    def abstract_args(self, arm: Arm, b: int, length: int) -> tuple:
+        """Abstract arguments of the (arm, batch bucket, cache length) step, for compiling it ahead of its use."""
         state = self.ctx.abstract_state(b)
         if arm.kind == "eagle":
             return self.step_params(), state, jax.ShapeDtypeStruct((), jnp.int32, sharding=self.ctx.replicated())

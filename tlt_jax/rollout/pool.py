@@ -1,7 +1,7 @@
 """Compiled-step pool: every jitted step is keyed by (phase, batch bucket, length bucket, arm[, extra]), compiled
-once (lazily on first use, or ahead of time from abstract arguments), and kept under a count budget and an optional
-byte budget with LRU eviction. Counters (compiles, compile seconds, hits, misses, evictions, bytes) go into the
-rollout stats.
+once (lazily on first use, ahead of time from abstract arguments, or in the background on the pool's worker thread
+while the caller runs something already compiled), and kept under a count budget and an optional byte budget with LRU
+eviction. Counters (compiles, compile seconds, hits, misses, evictions, bytes) go into the rollout stats.
 
 The pool does not know what a step computes: a builder registered per (phase, arm) turns a key into a ``jax.jit``
 function, so a speculative arm adds its own builders beside the plain ones.
@@ -16,6 +16,7 @@ compiled than when loaded from the persistent compilation cache), does not depen
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
@@ -104,6 +105,9 @@ class StepPool:
         self.misses = 0
         self.evictions = 0
         self._ran: set[StepKey] = set()
+        self._pending: dict[StepKey, concurrent.futures.Future] = {}
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self.background_compiles = 0
 
     def register(self, phase: str, arm: str, builder: Builder) -> None:
         """Builder for every key with this (phase, arm): key -> jitted function (not yet compiled)."""
@@ -130,12 +134,20 @@ class StepPool:
         if key in self._compiled:
             self._compiled.move_to_end(key)
             return self._compiled[key]
+        exe, seconds = self._build(key, abstract(abstract_args))
+        return self._install(key, exe, seconds)
+
+    def _build(self, key: StepKey, abstract_args: tuple) -> tuple[Any, float]:
+        """(executable, seconds): lowering and compiling only, no pool state (it runs on the worker thread too)."""
         builder = self._builders.get((key.phase, key.arm))
         if builder is None:
             raise KeyError(f"no step builder registered for phase {key.phase!r}, arm {key.arm!r}")
         t0 = time.perf_counter()
-        exe = builder(key).lower(*abstract(abstract_args)).compile(compiler_options=self.compiler_options or None)
-        self.compile_seconds += time.perf_counter() - t0
+        exe = builder(key).lower(*abstract_args).compile(compiler_options=self.compiler_options or None)
+        return exe, time.perf_counter() - t0
+
+    def _install(self, key: StepKey, exe: Any, seconds: float) -> Any:
+        self.compile_seconds += seconds
         self.compiles += 1
         size, source = self._sizer(exe)
         self.estimated += source != "measured"
@@ -151,6 +163,36 @@ class StepPool:
             self.evictions += 1
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         return exe
+
+    def prepare(self, key: StepKey, make_args: Callable[[], tuple]) -> bool:
+        """Whether ``key`` is pooled, i.e. runs without a compile on the caller's thread. If not, its compile (from
+        the shapes of ``make_args()``) starts on the pool's worker thread, once. Finished background compiles enter
+        the pool only here, in ``collect`` or in ``get``: on the caller's thread, so the pool never changes under it.
+        """
+        self.collect()
+        if key in self._compiled:
+            return True
+        if key not in self._pending:
+            if self._worker is None:
+                self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-compile")
+            self._pending[key] = self._worker.submit(self._build, key, abstract(make_args()))
+        return False
+
+    def collect(self, wait: bool = False) -> None:
+        """Pool the background compiles that have finished (``wait``: all of them, waiting for those still running).
+        A background compile's error is raised here."""
+        for key, fut in list(self._pending.items()):
+            if wait or fut.done():
+                del self._pending[key]
+                exe, seconds = fut.result()
+                if key not in self._compiled:  # not compiled meanwhile on the caller's thread (``compile``)
+                    self._install(key, exe, seconds)
+                    self.background_compiles += 1
+
+    @property
+    def compiling(self) -> bool:
+        """Whether a background compile is running or finished but not yet collected."""
+        return bool(self._pending)
 
     def first_run(self, key: StepKey) -> bool:
         """Whether the pooled step ``key`` is about to run for the first time (and marks it run). A first execution
@@ -170,6 +212,10 @@ class StepPool:
             self._compiled.move_to_end(key)
             return self._compiled[key]
         self.misses += 1
+        fut = self._pending.pop(key, None)
+        if fut is not None:  # compiling in the background already: wait for it rather than compile twice
+            self.background_compiles += 1
+            return self._install(key, *fut.result())
         return self.compile(key, *args)
 
     def precompile(self, plan: Iterable[tuple[StepKey, Callable[[], tuple]]]) -> dict[str, Any]:
@@ -196,7 +242,8 @@ class StepPool:
     def counters(self) -> dict[str, Any]:
         """compiles, compile_seconds, hits, misses, evictions (count or byte bound), size / budget (executables),
         bytes / peak_bytes (held now / most held after bounding), max_bytes, estimated (sizes not reported by the
-        backend), oversized (executables over max_bytes on their own)."""
+        backend), oversized (executables over max_bytes on their own), background_compiles (of ``compiles``: those
+        made on the worker thread; their seconds, in compile_seconds, overlapped other work)."""
         return dict(
             compiles=self.compiles,
             compile_seconds=round(self.compile_seconds, 4),
@@ -210,4 +257,5 @@ class StepPool:
             max_bytes=self.max_bytes,
             estimated=self.estimated,
             oversized=self.oversized,
+            background_compiles=self.background_compiles,
         )

@@ -7,6 +7,7 @@ Per wave: prefill+fork (B rows) → [decode or verify chunk → read info → dr
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from tlt_jax.adaptive import Arm, SpecGate, agreed_seconds
+from tlt_jax.adaptive import Arm, SpecGate, agreed_all, agreed_seconds
 from tlt_jax.distributed.multihost import to_host
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.params import RolloutResult, SamplingParams
@@ -25,6 +26,8 @@ from tlt_jax.rollout.state import RowInit, StepInfo
 
 if TYPE_CHECKING:
     from tlt_jax.rollout.engine import RolloutEngine
+
+OFF = Arm("off")
 
 
 class GenerateRun:
@@ -110,7 +113,7 @@ class GenerateRun:
     def wave(self, rows: list[tuple[int, int]]) -> None:
         e = self.e
         state, info, slots, plen_row, maxnew_row = self.prefill(rows)
-        b, k = len(slots), e.chunk_size
+        b = len(slots)
         wave_t0, spec_on = time.perf_counter(), False
         drafter_current = False  # an EAGLE verify ran last: no prefill / plain / n-gram pairs left to catch up over
         gate = SpecGate(e.spec.threshold, e.spec.patience) if e.spec else None  # per wave: hysteresis
@@ -141,16 +144,24 @@ class GenerateRun:
                 b = nb
                 live = ~done
             committed = plen_row + ngen - 1
-            arm = e.choose_arm(gate is not None and gate.update(n_live), b)
+            cache_length = functools.partial(self._cache_length, committed, plen_row + maxnew_row - 1, live)
+            speculate = gate is not None and gate.update(n_live)
+            arm = wanted = e.choose_arm(speculate, b)
+            length, quiet = cache_length(arm), True
+            if speculate and e.background_compile:
+                # A speculative step not compiled yet compiles on the pool's worker thread; plain decoding (the
+                # tokens are the same) runs meanwhile. Every process takes the same arm (``agreed_all``).
+                e.pool.collect()
+                ready = not arm.speculative or e.pool.prepare(
+                    step_key(arm, b, length), functools.partial(e.abstract_args, arm, b, length)
+                )
+                ready, quiet = agreed_all(ready, not e.pool.compiling)
+                if not ready:
+                    arm = OFF
+                    length = cache_length(arm)
             if arm.speculative and not spec_on:
                 spec_on = True
                 self.switches.append(dict(active=n_live, batch=b, after_seconds=time.perf_counter() - wave_t0))
-            # Cache positions a call reads: the committed length at its last (decode or verify) step.
-            ahead = k - 1
-            if arm.speculative:
-                ahead = (self._spec_steps(arm) - 1) * (arm.depth + 1)
-            need = int(np.max(np.minimum(committed + ahead, plen_row + maxnew_row - 1)[live]))
-            length = bk.pick(e.length_buckets, max(need, 1))
             t0 = time.perf_counter()
             key, args = step_key(arm, b, length), (e.step_params(), state)
             if arm.kind == "ngram":
@@ -179,6 +190,10 @@ class GenerateRun:
                 batch=b, active=n_live, length=length, arm=key.arm, choice=str(arm), seconds=dt + catchup_s,
                 tokens=tokens, first_run=first,
             )
+            if wanted != arm:
+                chunk["waited_for"] = str(wanted)  # the bandit's choice, compiling in the background
+            if not quiet:
+                chunk["compile_overlap"] = True
             if not arm.speculative:
                 chunk["steps"] = int(emitted.max(initial=0))
             else:
@@ -191,13 +206,21 @@ class GenerateRun:
                     catchup_seconds=catchup_s,
                 )
             self.steps += chunk["steps"]
-            if e.bandit is not None and not first:  # a step's first run is not a measure of it (``first_run``);
-                # every process feeds the same numbers: tokens are replicated, seconds agreed
+            # A step's first run is not a measure of it (``first_run``), nor is a round trip that shared the machine
+            # with a background compile. Every process feeds the same numbers: tokens are replicated, seconds agreed.
+            if e.bandit is not None and not first and quiet:
                 rows = chunk.get("row_verifies", tokens) / max(chunk["steps"], 1)  # live rows per step (plain: 1 token)
                 e.bandit.observe(arm, b, tokens, agreed_seconds(dt), chunk["steps"], rows=rows)
             self._keep_tokens(info, ngen, slots)
             self.chunks.append(chunk)
         self._harvest(state, slots >= 0, slots, info.num_generated)
+
+    def _cache_length(self, committed: np.ndarray, last: np.ndarray, live: np.ndarray, arm: Arm) -> int:
+        """The cache-length bucket of ``arm``'s next call: the positions it reads, i.e. each live row's committed
+        length at the call's last decode or verify step (at most the row's last position)."""
+        ahead = (self._spec_steps(arm) - 1) * (arm.depth + 1) if arm.speculative else self.e.chunk_size - 1
+        need = int(np.max(np.minimum(committed + ahead, last)[live]))
+        return bk.pick(self.e.length_buckets, max(need, 1))
 
     def _rounds(self, n: int):
         """The EAGLE verify step's rounds argument (replicated int32 scalar), made once per value."""
