@@ -190,6 +190,7 @@ def test_background_compile_enters_the_pool_on_the_callers_thread():
     assert int(pool.get(b, X)(X)[0]) == 0 and b in pool  # get waits for the background compile
     counters = pool.counters()
     assert counters["compiles"] == counters["background_compiles"] == 2 and counters["misses"] == 1
+    assert counters["background_seconds"] > 0  # compile_seconds holds only get's wait for b
     assert threads == ["step-compile_0", "step-compile_0"]  # built on the worker thread only
     assert not pool.prepare(bad, lambda: (X,))
     with pytest.raises(ValueError, match="no program for length 0"):

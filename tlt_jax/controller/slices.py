@@ -24,7 +24,8 @@ from tlt_jax.rollout import RolloutEngine, RolloutResult, SamplingParams
 
 # Stats summed over slices when results are merged (the rest stay per slice in stats["slices"]).
 _SUMMED = ("total_tokens", "hidden_bytes", "hidden_dropped", "tail_seconds", "sd_on_seconds", "sd_off_seconds",
-           "verify_steps", "decode_seconds", "prefill_seconds", "compile_seconds_this_call", "steps")
+           "verify_steps", "decode_seconds", "prefill_seconds", "compile_seconds_this_call",
+           "background_compile_seconds_this_call", "steps")
 
 
 def assign_prompts(num_prompts: int, num_slices: int) -> list[list[int]]:

@@ -201,6 +201,7 @@ class GRPOLearner:
             "time/tail_s": float(stats.get("tail_seconds", 0.0)),
             "rollout/tail_share": float(stats.get("tail_share", 0.0)),
             "rollout/compile_s": float(stats.get("compile_seconds_this_call", 0.0)),
+            "rollout/background_compile_s": float(stats.get("background_compile_seconds_this_call", 0.0)),
             "rollout/tokens": total_tokens,
             "rollout/tokens_per_s": total_tokens / max(t_rollout, 1e-9),
             "time/reward_s": t_reward,

@@ -303,7 +303,8 @@ class RolloutEngine:
         compilation excluded), arms (chunks per arm), sd_on_seconds / sd_off_seconds (speculative / plain chunks,
         n-gram tree building included), verify_steps, mean_accept_length (tokens emitted per verify step and live
         row), spec (arm, drafter, threshold, switches: live rows / batch / seconds into the wave when tree decoding
-        switched on, accepted drafts), chunks (per round trip), prefills, compactions, by_batch, pool counters.
+        switched on, accepted drafts), chunks (per round trip), prefills, compactions, by_batch, pool counters,
+        compile_seconds_this_call (compiles the rollout waited for) and background_compile_seconds_this_call.
         on_chunk(finished_samples, active_samples) is called once per host round trip (progress bars)."""
         prompts, max_new, request_ids = self._validate(prompts, params, request_ids)
         cap = self.capture
@@ -334,4 +335,5 @@ class RolloutEngine:
         st["pool"] = pool1
         st["pool_this_call"] = {k: pool1[k] - pool0[k] for k in ("compiles", "hits", "misses", "evictions")}
         st["compile_seconds_this_call"] = pool1["compile_seconds"] - pool0["compile_seconds"]
+        st["background_compile_seconds_this_call"] = pool1["background_seconds"] - pool0["background_seconds"]
         return result
