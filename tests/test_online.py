@@ -37,7 +37,7 @@ def test_online_drafter_and_slices_leave_rl_metrics_unchanged(tmp_path):
     lossless and sampling keys follow the prompt's global index); drafter steps, controller times and the timeline
     are recorded, the adapted drafter is exported."""
     drafter = _tiny_drafter(_cfg("tiny.py"), tmp_path / "drafter")
-    common = ("--config.train.num_steps=3", *QUIET, *TREE, f"--config.rollout.drafter_path={drafter}")
+    common = ("--config.train.num_steps=2", *QUIET, *TREE, f"--config.rollout.drafter_path={drafter}")
     runs = {
         "off": (),
         "on": ("--config.drafter.online=True", "--config.drafter.lr=3e-3"),
@@ -47,7 +47,7 @@ def test_online_drafter_and_slices_leave_rl_metrics_unchanged(tmp_path):
     for name, overrides in runs.items():
         run(_cfg("tiny.py", *common, *overrides), str(tmp_path / name))
     rows = {name: _train_rows(tmp_path / name) for name in runs}
-    for step in (1, 2, 3):
+    for step in (1, 2):
         for name in ("on", "on2"):
             _assert_same_metrics(_rl_only(rows["off"][step]), _rl_only(rows[name][step]), (name, step))
             r = rows[name][step]
@@ -57,11 +57,11 @@ def test_online_drafter_and_slices_leave_rl_metrics_unchanged(tmp_path):
         assert "drafter/steps" not in rows["off"][step]
     # Whether a drafter step ends while the other slice still decodes depends on timing (all responses here are 16
     # tokens); the swap itself is tested deterministically below.
-    assert all(rows["on2"][s]["controller/hot_swaps"] >= 0 for s in (1, 2, 3))
+    assert all(rows["on2"][s]["controller/hot_swaps"] >= 0 for s in (1, 2))
     assert "controller/hot_swaps" not in rows["on"][1]
-    assert rows["on"][3]["drafter/total_steps"] == 12  # 4 steps after each rollout (steps_without_idle)
+    assert rows["on"][2]["drafter/total_steps"] == 8  # 4 steps after each rollout (steps_without_idle)
     timeline = [json.loads(line) for line in (tmp_path / "on2" / TIMELINE_FILE).read_text().splitlines()]
-    assert {(t["step"], t["slice"]) for t in timeline} == {(s, i) for s in (1, 2, 3) for i in (0, 1)}
+    assert {(t["step"], t["slice"]) for t in timeline} == {(s, i) for s in (1, 2) for i in (0, 1)}
     assert {t["state"] for t in timeline} >= {"busy", "training"}
     for name in ("on", "on2"):
         assert sorted(_exported_weights(tmp_path / name)) == sorted(_exported_weights(tmp_path / "on"))
