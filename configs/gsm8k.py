@@ -33,8 +33,9 @@ whose speed drifts by tens of percent):
   2.14-2.71 held out; another on 2026-11-26 (7 min 45 s, median step 27 s) 1.75-2.75 in the rollouts (none in step
   3), held out 2.14, 2.20 and 3.17 (steps 0, 4, 12). On this CPU the adaptive rollouts cost more than plain ones:
   over 12 steps with the drafter frozen, repeated twice with the order alternating, 0.90x and 0.91x plain's speed
-  with compiles of the extra arms' programs, 0.97x and 0.96x without them (benchmarks/README.md, "Adaptive vs off on
-  the default run").
+  when the extra arms' programs compiled in place, 0.97x and 0.96x without those compiles; since new verify steps
+  compile in the background, 0.97x over four such repeats (0.92x-1.06x per pair; benchmarks/README.md, "Adaptive
+  vs off on the default run").
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
 
