@@ -31,7 +31,9 @@ whose speed drifts by tens of percent):
   the machine's timings: the two runs before coupled drafting gave 1.33-2.71 and 1.33-2.42 in the rollouts, and a
   run at the final version of coupled drafting (9 min 12 s, median step 28 s) 1.73-2.67 (no EAGLE chunk in step 3),
   2.14-2.71 held out; another on 2026-11-26 (7 min 45 s, median step 27 s) 1.75-2.75 in the rollouts (none in step
-  3), held out 2.14, 2.20 and 3.17 (steps 0, 4, 12). On this CPU the adaptive rollouts cost more than plain ones:
+  3), held out 2.14, 2.20 and 3.17 (steps 0, 4, 12); with new verify steps compiled in the background (2026-11-27,
+  8 min 54 s including the install) 1.81-2.97 in the rollouts, and 26.7 s of background compiles, all in steps 1-3.
+  On this CPU the adaptive rollouts cost more than plain ones:
   over 12 steps with the drafter frozen, repeated twice with the order alternating, 0.90x and 0.91x plain's speed
   when the extra arms' programs compiled in place, 0.97x and 0.96x without those compiles; since new verify steps
   compile in the background, 0.97x over four such repeats (0.92x-1.06x per pair; benchmarks/README.md, "Adaptive
