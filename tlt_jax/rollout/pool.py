@@ -173,9 +173,8 @@ class StepPool:
     def prepare(self, key: StepKey, make_args: Callable[[], tuple]) -> bool:
         """Whether ``key`` is pooled, i.e. runs without a compile on the caller's thread. If not, its compile (from
         the shapes of ``make_args()``) starts on the pool's worker thread, once. Finished background compiles enter
-        the pool only here, in ``collect`` or in ``get``: on the caller's thread, so the pool never changes under it.
-        """
-        self.collect()
+        the pool only in ``collect`` or ``get``, on the caller's thread, so the pool never changes under it: call
+        ``collect`` first to see them."""
         if key in self._compiled:
             return True
         if key not in self._pending:
