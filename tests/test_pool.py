@@ -1,11 +1,15 @@
 """The compiled-step pool's byte budget: LRU eviction by bytes and by count, counters, sizes of real executables on
-this backend, and precompiling a plan of keys (e.g. every reachable (arm, bucket))."""
+this backend, precompiling a plan of keys (e.g. every reachable (arm, bucket)), and background compiles on a
+low-priority worker thread."""
+
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from tlt_jax.rollout.pool import StepKey, StepPool, executable_bytes
+from tlt_jax.rollout.pool import BACKGROUND_NICE, StepKey, StepPool, executable_bytes
 
 
 def scripted(sizes):
@@ -170,12 +174,17 @@ def test_background_compile_enters_the_pool_on_the_callers_thread():
     """
     import threading
 
-    threads = []
+    threads, started, release = [], threading.Event(), threading.Event()
 
     def build(key):
         threads.append(threading.current_thread().name)
+        if sys.platform == "linux":  # the worker runs at the lowest CPU priority
+            assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == BACKGROUND_NICE
         if key.length == 0:
             raise ValueError("no program for length 0")
+        if key.length == 3:  # running when the caller asks for it
+            started.set()
+            assert release.wait(60)
         return jax.jit(lambda x: x * key.length)
 
     pool = StepPool(budget=10, compiler_options=FAST)
@@ -186,8 +195,9 @@ def test_background_compile_enters_the_pool_on_the_callers_thread():
     assert a not in pool and len(pool) == 0  # not pooled before the caller collects it
     pool.collect(wait=True)
     assert a in pool and not pool.compiling and pool.prepare(a, lambda: (X,))
-    assert not pool.prepare(b, lambda: (X,))
-    assert int(pool.get(b, X)(X)[0]) == 0 and b in pool  # get waits for the background compile
+    assert not pool.prepare(b, lambda: (X,)) and started.wait(60)
+    threading.Timer(0.2, release.set).start()
+    assert int(pool.get(b, X)(X)[0]) == 0 and b in pool  # get waits for the running background compile
     counters = pool.counters()
     assert counters["compiles"] == counters["background_compiles"] == 2 and counters["misses"] == 1
     assert counters["background_seconds"] > 0  # compile_seconds holds only get's wait for b
@@ -196,3 +206,35 @@ def test_background_compile_enters_the_pool_on_the_callers_thread():
     with pytest.raises(ValueError, match="no program for length 0"):
         pool.collect(wait=True)
     assert bad not in pool and not pool.compiling
+
+
+def test_get_compiles_a_queued_key_in_place_and_close_stops_the_worker():
+    """A key still queued behind another background compile is taken off the queue by ``get`` and compiled on the
+    caller's thread; the running one is left to finish. ``close`` drops what is queued and stops the worker."""
+    import threading
+
+    threads, release = {}, threading.Event()
+
+    def build(key):
+        threads[key.length] = threading.current_thread().name
+        if key.length == 2:
+            assert release.wait(60)  # holds the worker until the caller has asked for key 3
+        return jax.jit(lambda x: x * key.length)
+
+    pool = StepPool(budget=10, compiler_options=FAST)
+    pool.register("verify", "eagle", build)
+    busy, queued = StepKey("verify", 1, 2, "eagle"), StepKey("verify", 1, 3, "eagle")
+    assert not pool.prepare(busy, lambda: (X,)) and not pool.prepare(queued, lambda: (X,))
+    assert float(pool.get(queued, X)(X)[0]) == 3 * float(X[0])
+    assert threads == {2: "step-compile_0", 3: "MainThread"}
+    release.set()
+    pool.collect(wait=True)
+    assert busy in pool and queued in pool and not pool.compiling
+    assert pool.counters()["background_compiles"] == 1
+    release.clear()
+    later, dropped = StepKey("verify", 2, 2, "eagle"), StepKey("verify", 1, 4, "eagle")
+    assert not pool.prepare(later, lambda: (X,)) and not pool.prepare(dropped, lambda: (X,))
+    threading.Timer(0.2, release.set).start()
+    pool.close()  # waits for the running compile, drops the queued one
+    assert 4 not in threads and not pool.compiling and later not in pool and dropped not in pool
+    assert [t.name for t in threading.enumerate() if t.name.startswith("step-compile")] == []

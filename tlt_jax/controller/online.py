@@ -217,6 +217,7 @@ class OnlineState:
     def __init__(self, engine, mesh, workdir: str, primary: bool):
         from tlt_jax.controller.online import ControlledRollout
 
+        self.engine = engine
         self.ctl = engine if isinstance(engine, ControlledRollout) else None
         self.trainer = None if self.ctl is None else self.ctl.trainer
         self.mesh, self.workdir, self.primary = mesh, workdir, primary
@@ -269,5 +270,5 @@ class OnlineState:
         return path
 
     def close(self) -> None:
-        if self.ctl is not None:
-            self.ctl.close()
+        """Stop the rollout's threads (slice workers, background compiles)."""
+        self.engine.close()

@@ -129,6 +129,8 @@ class SlicedRollout:
     def close(self) -> None:
         for w in self.workers:
             w.shutdown(wait=True)
+        for e in self.engines:
+            e.close()
 
 
 def progress_hooks(jobs: Sequence[SliceJob], on_chunk: Callable[[int, int], None] | None) -> list:

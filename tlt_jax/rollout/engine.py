@@ -225,6 +225,10 @@ class RolloutEngine:
                     ok = jax.ShapeDtypeStruct((dst,), jnp.bool_, sharding=rep)
                     self.pool.compile(StepKey("compact", dst, 0, "plain", (b,)), state, idx, ok)
 
+    def close(self) -> None:
+        """Stop the pool's background compiles (the compiled steps stay usable)."""
+        self.pool.close()
+
     def abstract_args(self, arm: Arm, b: int, length: int) -> tuple:
         """Abstract arguments of the (arm, batch bucket, cache length) step, for compiling it ahead of its use."""
         state = self.ctx.abstract_state(b)

@@ -18,6 +18,9 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,6 +28,16 @@ from typing import Any
 import jax
 
 Builder = Callable[["StepKey"], Callable]
+
+# The worker thread's nice value (Linux): a background compile takes only the CPU the caller's decoding leaves, since
+# on a CPU backend both share the cores (benchmarks/trace_contention.py measures the difference).
+BACKGROUND_NICE = 19
+
+
+def lower_thread_priority() -> None:
+    """Run the calling thread at BACKGROUND_NICE (Linux only: there a thread id takes a nice value of its own)."""
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -172,14 +185,16 @@ class StepPool:
 
     def prepare(self, key: StepKey, make_args: Callable[[], tuple]) -> bool:
         """Whether ``key`` is pooled, i.e. runs without a compile on the caller's thread. If not, its compile (from
-        the shapes of ``make_args()``) starts on the pool's worker thread, once. Finished background compiles enter
-        the pool only in ``collect`` or ``get``, on the caller's thread, so the pool never changes under it: call
-        ``collect`` first to see them."""
+        the shapes of ``make_args()``) starts on the pool's worker thread (lowest CPU priority), once. Finished
+        background compiles enter the pool only in ``collect`` or ``get``, on the caller's thread, so the pool never
+        changes under it: call ``collect`` first to see them."""
         if key in self._compiled:
             return True
         if key not in self._pending:
             if self._worker is None:
-                self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-compile")
+                self._worker = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="step-compile", initializer=lower_thread_priority
+                )
             self._pending[key] = self._worker.submit(self._build, key, abstract(make_args()))
         return False
 
@@ -192,6 +207,14 @@ class StepPool:
                 exe, seconds = fut.result()
                 if key not in self._compiled:  # not compiled meanwhile on the caller's thread (``compile``)
                     self._install(key, exe, seconds, background=True)
+
+    def close(self) -> None:
+        """Stop the worker thread: background compiles not started are dropped, the running one is waited for, and
+        none not yet collected enters the pool (a later ``prepare`` starts a new worker)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
+            self._worker = None
+        self._pending.clear()
 
     @property
     def compiling(self) -> bool:
@@ -210,14 +233,15 @@ class StepPool:
         return self.max_bytes is not None and self.bytes > self.max_bytes
 
     def get(self, key: StepKey, *args) -> Any:
-        """The compiled step for ``key`` (counts a hit, or a miss followed by a compile from ``args``' shapes)."""
+        """The compiled step for ``key`` (counts a hit, or a miss followed by a compile from ``args``' shapes; a key
+        queued on the worker thread but not started compiles here rather than after the queue ahead of it)."""
         if key in self._compiled:
             self.hits += 1
             self._compiled.move_to_end(key)
             return self._compiled[key]
         self.misses += 1
         fut = self._pending.pop(key, None)
-        if fut is not None:  # compiling in the background already: wait for it (the wait is compile time)
+        if fut is not None and not fut.cancel():  # compiling in the background: wait for it (the wait is compile time)
             t0 = time.perf_counter()
             exe, seconds = fut.result()
             self._install(key, exe, 0.0, background=True)
