@@ -32,7 +32,10 @@ whose speed drifts by tens of percent):
   run at the final version of coupled drafting (9 min 12 s, median step 28 s) 1.73-2.67 (no EAGLE chunk in step 3),
   2.14-2.71 held out; another on 2026-11-26 (7 min 45 s, median step 27 s) 1.75-2.75 in the rollouts (none in step
   3), held out 2.14, 2.20 and 3.17 (steps 0, 4, 12); with new verify steps compiled in the background (2026-11-27,
-  8 min 54 s including the install) 1.81-2.97 in the rollouts, and 26.7 s of background compiles, all in steps 1-3.
+  8 min 54 s including the install) 1.81-2.97 in the rollouts, and 26.7 s of background compiles, all in steps 1-3;
+  with that compile thread at nice 19 (2026-11-27, 9 min 22 s including the install) 1.74-2.52 (none in step 7),
+  and 67 s of background compiles (wall time at low priority) in steps 1-4, 8 and 9 (step 8 held the first
+  256-token responses and an evaluation, both new shapes).
   On this CPU the adaptive rollouts cost more than plain ones:
   over 12 steps with the drafter frozen, repeated twice with the order alternating, 0.90x and 0.91x plain's speed
   when the extra arms' programs compiled in place, 0.97x and 0.96x without those compiles; since new verify steps
