@@ -36,7 +36,7 @@ whose speed drifts by tens of percent):
   with that compile thread at nice 19 (2026-11-27, 9 min 22 s including the install) 1.74-2.52 (none in step 7),
   and 67 s of background compiles (wall time at low priority) in steps 1-4, 8 and 9 (step 8 held the first
   256-token responses and an evaluation, both new shapes).
-  On this CPU the adaptive rollouts cost more than plain ones:
+  Adaptive against plain rollouts on this CPU:
   over 12 steps with the drafter frozen, repeated twice with the order alternating, 0.90x and 0.91x plain's speed
   when the extra arms' programs compiled in place, 0.97x and 0.96x without those compiles; since new verify steps
   compile in the background, 0.97x over four such repeats (0.92x-1.06x per pair), and 1.02x (0.96x-1.11x) with
