@@ -39,8 +39,8 @@ whose speed drifts by tens of percent):
   Adaptive against plain rollouts on this CPU:
   over 12 steps with the drafter frozen, repeated twice with the order alternating, 0.90x and 0.91x plain's speed
   when the extra arms' programs compiled in place, 0.97x and 0.96x without those compiles; since new verify steps
-  compile in the background, 0.97x over four such repeats (0.92x-1.06x per pair), and 1.02x (0.96x-1.11x) with
-  the compile thread at the lowest CPU priority (benchmarks/README.md, "Adaptive vs off on the default run").
+  compile in the background, 0.97x over four such repeats (0.92x-1.06x per pair), and 0.96x over six (0.74x-1.11x)
+  with the compile thread at the lowest CPU priority (benchmarks/README.md, "Adaptive vs off on the default run").
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
 
