@@ -17,9 +17,17 @@ Modes run one after the other, so a drift in the machine's speed lands in their 
 mode N times, alternating the order (A B, B A, ...), and reports each mode's ratios to "off" per repeat (the two ran
 next to each other) and from each step's fastest rollout over the repeats (every repeat decodes the same tokens).
 
+``--paired MODE`` runs one training run instead, in which every rollout is decoded twice, back to back, on the same
+policy weights, prompts and seed: once by an "off" engine and once by MODE's engine (off / ngram / static /
+adaptive), alternating which goes first. It checks that both sampled the same tokens, trains on MODE's result, and
+compares the two rollouts' seconds step by step, so a drift of the machine's speed over minutes cancels. Background
+compiles still pending when the next timed rollout starts are waited for first, outside both timings, and reported
+("drain").
+
     python benchmarks/e2e_step.py --configs gsm8k --modes off,static,tlt --steps 6   # the default run's table
     python benchmarks/e2e_step.py --configs gsm8k --modes off,adaptive --steps 8 --repeats 3
     python benchmarks/e2e_step.py --configs tiny --steps 10 --modes off,ngram
+    python benchmarks/e2e_step.py --configs gsm8k --paired adaptive --steps 12
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -197,6 +207,155 @@ def compare_to_off(off: list[dict], runs: list[dict]) -> dict:
     }
 
 
+class PairedRollout:
+    """Benchmark harness (``--paired``): decodes every rollout with both engines, on the same weights, prompts and
+    seed, alternating which goes first; checks the tokens are the same; returns ``other``'s result."""
+
+    def __init__(self, base, other):
+        self.base, self.other = base, other
+        self.calls: list[dict] = []
+
+    @property
+    def params(self):
+        return (self.base.params, self.other.params)
+
+    @property
+    def bandit(self):
+        return getattr(self.other, "bandit", None)
+
+    def set_params(self, model) -> None:
+        self.base.set_params(model)
+        self.other.set_params(model)
+
+    def state_dict(self) -> dict:
+        return self.other.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.other.load_state_dict(state)
+
+    def close(self) -> None:
+        self.base.close()
+        self.other.close()
+
+    def generate(self, prompts, params, **kwargs):
+        order = ("base", "other") if len(self.calls) % 2 == 0 else ("other", "base")
+        rec, results = {"first": order[0], "temperature": params.temperature}, {}
+        for name in order:
+            t = time.perf_counter()
+            for engine in (self.base, self.other):  # background compiles left from before finish outside the timings
+                engine.pool.collect(wait=True)
+            rec[f"{name}_drain_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            results[name] = getattr(self, name).generate(prompts, params, **kwargs)
+            rec[f"{name}_s"] = time.perf_counter() - t
+            st = results[name].stats
+            rec[f"{name}_compile_s"] = float(st.get("compile_seconds_this_call", 0.0))
+            rec[f"{name}_background_compile_s"] = float(st.get("background_compile_seconds_this_call", 0.0))
+        if results["base"].tokens != results["other"].tokens:
+            raise AssertionError(f"paired rollout {len(self.calls)}: the two engines sampled different tokens")
+        rec["tokens"] = int(sum(len(c) for comps in results["other"].tokens for c in comps))
+        rec["arm_steps"] = results["other"].stats.get("arm_steps")
+        self.calls.append(rec)
+        return results["other"]
+
+
+def bench_paired(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, drafter: str = SHIPPED,
+                 static_tree: str = "5x1x6", extra: dict | None = None) -> dict:
+    """One training run of ``mode`` whose every rollout is also decoded by an "off" engine (``PairedRollout``)."""
+    import tlt_jax.main as main_mod
+
+    if mode not in ("off", "ngram", "static", "adaptive"):
+        raise ValueError(f"--paired takes off, ngram, static or adaptive (one engine per mode), got {mode!r}")
+    common = {**OVERRIDES.get(name, {}), "train.num_steps": steps, "metrics.progress_bars": False,
+              "eval.at_start": False, **(extra or {})}
+    cfg_off = load_config(name, {**common, **mode_overrides("off", arms, drafter, static_tree)})
+    cfg = load_config(name, {**common, **mode_overrides(mode, arms, drafter, static_tree)})
+    build = main_mod.build_engine
+    paired: list[PairedRollout] = []
+
+    def build_both(cfg_, model, mesh, data, workdir=None):
+        paired.append(PairedRollout(build(cfg_off, model, mesh, data), build(cfg_, model, mesh, data, workdir)))
+        return paired[-1]
+
+    main_mod.build_engine = build_both
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            t0 = time.perf_counter()
+            main_mod.run(cfg, workdir)
+            wall = time.perf_counter() - t0
+    finally:
+        main_mod.build_engine = build
+    calls = paired[0].calls[:steps]  # the training rollouts (the final evaluation's calls come after)
+    return {"config": f"configs/{name}.py", "mode": mode, "steps": steps, "wall_s": wall, "per_step": calls,
+            "evaluation_calls": len(paired[0].calls) - len(calls), **summarise_paired(calls[1:])}
+
+
+def summarise_paired(steady: list[dict]) -> dict:
+    """Ratios of "off" seconds over the mode's, from paired steps (``PairedRollout.calls``, steady steps only)."""
+    def total(key, sel=steady):
+        return sum(c[key] for c in sel)
+
+    off_s, mode_s = total("base_s"), total("other_s")
+    off_nc, mode_nc = off_s - total("base_compile_s"), mode_s - total("other_compile_s")
+    # Whichever engine goes first may run on a different machine state (right after the update): the ratio over
+    # the steps where "off" went first and over those where the mode did, and their geometric mean, which cancels
+    # an order effect that scales both rollouts alike (a crossover design).
+    by_order = {}
+    for first in ("base", "other"):
+        sel = [c for c in steady if c["first"] == first]
+        by_order[first] = total("base_s", sel) / total("other_s", sel) if sel else None
+    crossover = math.sqrt(by_order["base"] * by_order["other"]) if all(by_order.values()) else None
+    # A 90 % bootstrap interval of the sum ratio over the steps (resampled with a fixed seed): steps are the unit
+    # of noise here, not runs.
+    rng = random.Random(0)
+    boot = sorted(
+        total("base_s", sample) / total("other_s", sample)
+        for sample in ([rng.choice(steady) for _ in steady] for _ in range(2000))
+    )
+    return {
+        "steady_steps": len(steady),
+        "steady_off_s": off_s,
+        "steady_mode_s": mode_s,
+        "steady_speedup_vs_off": off_s / mode_s,
+        "steady_speedup_vs_off_without_compile": off_nc / mode_nc,
+        "steady_per_step_speedup": [c["base_s"] / c["other_s"] for c in steady],
+        "steady_per_step_speedup_median": statistics.median(c["base_s"] / c["other_s"] for c in steady),
+        "steady_speedup_vs_off_off_first": by_order["base"],
+        "steady_speedup_vs_off_mode_first": by_order["other"],
+        "steady_speedup_vs_off_crossover": crossover,
+        "steady_speedup_vs_off_bootstrap_90": [boot[100], boot[1899]],
+        "steady_steps_mode_faster": sum(c["other_s"] < c["base_s"] for c in steady),
+        "steady_background_compile_s": total("other_background_compile_s"),
+        "steady_drain_s": total("base_drain_s") + total("other_drain_s"),
+    }
+
+
+def combine_paired(paths: list[str]) -> dict:
+    """Pool the steady paired steps of several ``--paired`` result files (same config and mode) into one summary."""
+    runs = [json.loads(Path(p).read_text())["configs"] for p in paths]
+    out = {}
+    for name in runs[0]:
+        res = [r[name]["paired"] for r in runs]
+        if len({r["mode"] for r in res}) != 1:
+            raise ValueError(f"{name}: the files hold different modes {[r['mode'] for r in res]}")
+        out[name] = {"mode": res[0]["mode"], "files": paths,
+                     **summarise_paired([c for r in res for c in r["per_step"][1:]])}
+    return out
+
+
+def print_paired(name: str, mode: str, res: dict) -> None:
+    print(f"{name}: {mode} vs off over {res['steady_steps']} steady steps, paired step by step: "
+          f"{res['steady_off_s']:.1f} / {res['steady_mode_s']:.1f} s = {res['steady_speedup_vs_off']:.3f}x "
+          f"(without in-place compiles {res['steady_speedup_vs_off_without_compile']:.3f}x; per-step median "
+          f"{res['steady_per_step_speedup_median']:.3f}x; off first {res['steady_speedup_vs_off_off_first']:.3f}x, "
+          f"{mode} first {res['steady_speedup_vs_off_mode_first']:.3f}x, crossover "
+          f"{res['steady_speedup_vs_off_crossover']:.3f}x; 90 % bootstrap interval "
+          f"{res['steady_speedup_vs_off_bootstrap_90'][0]:.3f}-{res['steady_speedup_vs_off_bootstrap_90'][1]:.3f}x; "
+          f"{mode} faster in {res['steady_steps_mode_faster']} of {res['steady_steps']} steps); background compiles "
+          f"{res['steady_background_compile_s']:.1f} s, drained before a timed rollout "
+          f"{res['steady_drain_s']:.1f} s", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="tiny,gsm8k")
@@ -208,6 +367,10 @@ def main():
     ap.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every mode this many times, alternating the order, and pair the ratios per repeat")
+    ap.add_argument("--paired", default="",
+                    help="one run of this mode with every rollout also decoded by an off engine, step by step")
+    ap.add_argument("--combine", default="",
+                    help="comma-separated --paired result files: pool their steady steps into one summary")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     if args.repeats < 1:
@@ -236,6 +399,27 @@ def main():
         except json.JSONDecodeError:
             extra[key] = value
     results["extra_overrides"] = extra
+    if args.combine:
+        results["combined"] = combine_paired(args.combine.split(","))
+        for name, res in results["combined"].items():
+            print_paired(name, res["mode"], res)
+    elif args.paired:
+        for name in args.configs.split(","):
+            res = bench_paired(name, args.steps or DEFAULT_STEPS.get(name, 2), args.paired, args.spec_arms,
+                               args.drafter, args.static_tree, extra)
+            results["configs"][name] = {"paired": res}
+            for i, c in enumerate(res["per_step"]):
+                print(f"{name} step {i + 1}: off {c['base_s']:.2f} s, {args.paired} {c['other_s']:.2f} s "
+                      f"({c['base_s'] / c['other_s']:.3f}x; {c['first']} first; in-place compile "
+                      f"{c['base_compile_s']:.2f} / {c['other_compile_s']:.2f} s, background "
+                      f"{c['other_background_compile_s']:.2f} s, drain {c['base_drain_s'] + c['other_drain_s']:.2f} "
+                      f"s); arm steps {c['arm_steps']}", flush=True)
+            print_paired(name, args.paired, res)
+    if args.paired or args.combine:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.out}")
+        return
     for name in args.configs.split(","):
         modes_list = args.modes.split(",")
         runs: dict[str, list[dict]] = {m: [] for m in modes_list}
