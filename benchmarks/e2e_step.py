@@ -274,7 +274,10 @@ def bench_paired(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, dr
     paired: list[PairedRollout] = []
 
     def build_both(cfg_, model, mesh, data, workdir=None):
-        paired.append(PairedRollout(build(cfg_off, model, mesh, data), build(cfg_, model, mesh, data, workdir)))
+        engines = build(cfg_off, model, mesh, data), build(cfg_, model, mesh, data, workdir)
+        if not all(hasattr(e, "pool") for e in engines):
+            raise ValueError("--paired compares two RolloutEngines; this config builds a sliced or controlled rollout")
+        paired.append(PairedRollout(*engines))
         return paired[-1]
 
     main_mod.build_engine = build_both

@@ -294,8 +294,9 @@ class _Tally:
 
 
 def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1, adaptive=None):
-    """Run every arm on every prompt group, interleaved (per group: plain, each speculative arm, plain again), so a
-    drift in machine load hits every arm alike; plain's time is the mean of its two runs. The whole interleaved pass
+    """Run every arm on every prompt group, interleaved (per group: plain, each speculative arm, plain again; the
+    arms in reverse order every other pass), so a drift in machine load hits every arm alike; plain's time is the mean
+    of its two runs. The whole interleaved pass
     runs ``repeats`` times and each arm's seconds are the median over the passes (the shared machine's speed drifts by
     tens of percent between passes; the tokens must be identical in every pass). Returns the tallies of the
     speculative arms and plain's.
@@ -310,10 +311,13 @@ def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1, adap
     runs = [*arms, "adaptive"] if adaptive is not None else list(arms)
     engines = arms | ({"adaptive": adaptive} if adaptive is not None else {})
     passes = []
-    for _ in range(repeats + (adaptive is not None)):
+    for k in range(repeats + (adaptive is not None)):
         tallies, again = {key: _Tally() for key in runs}, _Tally()
+        # Every other pass runs the arms between plain's two runs in reverse order, so no arm always follows the same
+        # one (an order effect would otherwise favour one arm in every pass).
+        order = runs if k % 2 == 0 else [runs[0], *runs[:0:-1]]
         for g in groups:
-            for key in runs:
+            for key in order:
                 tallies[key].run(engines[key], g, params)
             again.run(arms["plain"], g, params)
         plain = tallies["plain"]
