@@ -296,9 +296,9 @@ class _Tally:
 def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1, adaptive=None):
     """Run every arm on every prompt group, interleaved (per group: plain, each speculative arm, plain again; the
     arms in reverse order every other pass), so a drift in machine load hits every arm alike; plain's time is the mean
-    of its two runs. The whole interleaved pass
-    runs ``repeats`` times and each arm's seconds are the median over the passes (the shared machine's speed drifts by
-    tens of percent between passes; the tokens must be identical in every pass). Returns the tallies of the
+    of its two runs. The whole interleaved pass runs ``repeats`` times and each arm's seconds are the median over the
+    passes (the shared machine's speed drifts by tens of percent between passes; the tokens must be identical in every
+    pass). Returns the tallies of the
     speculative arms and plain's.
 
     ``adaptive`` (an adaptive engine, its bandit fresh) joins every pass after the speculative arms. One extra pass
