@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.adaptive import Arm, Bandit, BanditConfig, SpecGate, agreed_seconds, make_bandit, parse_arm, parse_arms
+from tlt_jax.rollout.run import _lag_tokens
 from tlt_jax.rollout.spec_steps import SpecConfig
 
 ARMS = ["off", "eagle:8x4x48", "eagle:4x2x12"]
@@ -237,6 +238,28 @@ def test_reward_is_per_live_row():
     assert b.medians(16)[parse_arm("off")] == 100.0
     with pytest.raises(ValueError, match=r"rows must be the mean live rows over the round trip's steps, in \(0, 16\]"):
         b.observe("off", 16, 10, 1.0, rows=17)
+
+
+def test_reward_with_lag_is_the_lagging_rows_progress():
+    """With ``lag`` the reward is the lagging row's tokens/s: a tree that advances its rows unevenly (26 tokens over
+    4 rows, the row with the most budget left got 4) loses to plain steps that advance every row by 6, though its
+    mean row is faster. The engine's lagging row: the live row with the most budget left that is still live after
+    the round trip (ties: their mean; none left: the mean live row)."""
+    b = make_bandit(["off", "eagle:3x1x4"], epsilon=0.0)
+    b.observe("off", 4, 24, 1.0, steps=6, rows=4, lag=6)
+    b.observe("eagle:3x1x4", 4, 26, 1.0, steps=4, rows=4, lag=4)
+    assert b.medians(4) == {parse_arm("off"): 6.0, parse_arm("eagle:3x1x4"): 4.0}
+    b2 = make_bandit(["off", "eagle:3x1x4"], epsilon=0.0)
+    b2.observe("off", 4, 24, 1.0, steps=6, rows=4)
+    b2.observe("eagle:3x1x4", 4, 26, 1.0, steps=4, rows=4)
+    assert str(b2.best(4)) == "eagle:3x1x4" and str(b.best(4)) == "off"  # the mean row says the opposite
+    with pytest.raises(ValueError, match="lag must be the lagging row's tokens"):
+        b.observe("off", 4, 24, 1.0, lag=-1)
+    emitted, live = np.array([5, 2, 3, 0, 4]), np.array([True, True, True, False, True])
+    done = np.array([False, False, False, True, True])  # row 4 stopped during the round trip: it lags no more
+    assert _lag_tokens(emitted, live, done, np.array([10, 20, 20, 0, 30])) == 2.5
+    assert _lag_tokens(emitted, live, done, np.array([30, 20, 20, 0, 30])) == 5.0
+    assert _lag_tokens(emitted, live, np.ones(5, bool), np.zeros(5)) == 3.5  # the wave ended: the mean live row
 
 
 def test_forgets_after_the_best_arm_changes():

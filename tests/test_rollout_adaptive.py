@@ -134,6 +134,10 @@ def test_drafter_catch_up_is_kept_out_of_the_bandits_reward(model, drafter):
             assert seen[id(c)][0] == c["choice"]
             np.testing.assert_allclose(seen[id(c)][2], c["seconds"] - c["catchup_seconds"], rtol=1e-9)
     assert any(id(c) in seen and c["catchup_seconds"] > 0 for _, c in eagle)
+    for c in observed:  # the reward: the lagging row's tokens over the observed seconds (plain: every row's steps)
+        np.testing.assert_allclose(seen[id(c)][1], c["lag_tokens"] / seen[id(c)][2], rtol=1e-9)
+        if c["choice"] == "off" and c["lag_tokens"] != c["steps"]:
+            assert c["tokens"] < c["steps"] * c["active"]  # only when rows finished during the round trip
     assert calls[1]["spec"]["catchup_seconds"] == sum(c.get("catchup_seconds", 0) for c in calls[1]["chunks"]) > 0
 
 

@@ -1,15 +1,18 @@
 """BEG-MAB: a bucketed epsilon-greedy bandit choosing the speculation arm for each batch-size bucket.
 
 One bandit per batch bucket (the engine's compiled batch buckets; a ``table`` may restrict a bucket to some arms). The
-engine reports every host round trip as (arm, bucket, tokens, seconds, steps, live rows averaged over its steps); the
-reward is tokens per second per live row (a bucket's compiled step costs the same whatever its live rows, so per row
-the arms compare alike early and late in a wave, and a row finishing mid-trip counts only for the steps it ran). The
-engine leaves one-off costs out: an EAGLE round trip's drafter catch-up over pairs other arms recorded is timed apart,
-and the round trip that runs a compiled step for the first time is not reported (``tlt_jax.rollout.run``).
-Each bucket keeps its last ``window`` observations over all its arms; an arm's estimate there is the median reward of
-its observations in the window, or, if it has none, an estimate transferred from the nearest bucket that measured it
-together with an arm this bucket measured (relative speed carries over, absolute speed does not;
-``tlt_jax.adaptive.estimates``). Choosing an arm for a bucket:
+engine reports every host round trip as (arm, bucket, tokens, seconds, steps, live rows averaged over its steps, the
+lagging row's tokens). The reward is a row's progress per second: by default tokens/s per live row (a bucket's compiled
+step costs the same whatever its live rows, so per row the arms compare alike early and late in a wave, and a row
+finishing mid-trip counts only for the steps it ran); with ``lag`` given, the tokens/s of the wave's lagging row (the
+live row with the most budget left). Plain decoding advances every live row alike, so both agree there; speculation
+advances rows unevenly, and a wave whose rows run to a shared cap ends when its lagging row does, so the mean row
+overstates what speculation buys (measured in ``benchmarks/README.md``). The engine leaves one-off costs out: an EAGLE
+round trip's drafter catch-up over pairs other arms recorded is timed apart, and the round trip that runs a compiled
+step for the first time is not reported (``tlt_jax.rollout.run``). Each bucket keeps its last ``window`` observations
+over all its arms; an arm's estimate there is the median reward of its observations in the window, or, if it has none,
+an estimate transferred from the nearest bucket that measured it together with an arm this bucket measured (relative
+speed carries over, absolute speed does not; ``tlt_jax.adaptive.estimates``). Choosing an arm for a bucket:
 
 1. arms of which nothing is known (no estimate, measured or transferred) are tried first, in the configured order;
 2. otherwise the best estimate is exploited, except that with probability ``epsilon`` an exploration draw picks one of
@@ -174,11 +177,19 @@ class Bandit:
         return best
 
     def observe(
-        self, arm: Arm | str, bucket: int, tokens: int, seconds: float, steps: int = 1, rows: float = 1.0
+        self,
+        arm: Arm | str,
+        bucket: int,
+        tokens: int,
+        seconds: float,
+        steps: int = 1,
+        rows: float = 1.0,
+        lag: float | None = None,
     ) -> None:
         """Record one round trip of ``arm`` in ``bucket``: ``tokens`` emitted in ``seconds`` over ``steps`` decode or
         verify steps, ``rows`` live rows on average over those steps (the live row-steps / steps; a row that finishes
-        mid-trip counts for the steps it ran). The reward is tokens/s per live row (see the module docstring)."""
+        mid-trip counts for the steps it ran). The reward is tokens/s per live row, or with ``lag`` (the tokens the
+        round trip emitted for the wave's lagging row) lag / seconds (see the module docstring)."""
         arm, bucket = parse_arm(arm), self._bucket(bucket)
         if arm not in self._index:
             raise ValueError(
@@ -194,8 +205,11 @@ class Bandit:
             )
         if not np.isfinite(seconds) or seconds <= 0:
             raise ValueError(f"observe: seconds must be a finite time > 0, got {seconds} (time the round trip itself)")
+        if lag is not None and (not np.isfinite(lag) or lag < 0):
+            raise ValueError(f"observe: lag must be the lagging row's tokens in the round trip (>= 0), got {lag}")
         i = self._index[arm]
-        self._windows.add(bucket, i, float(tokens) / float(seconds) / float(rows), float(seconds))
+        reward = float(tokens) / float(rows) if lag is None else float(lag)
+        self._windows.add(bucket, i, reward / float(seconds), float(seconds))
         self._tokens[i] += int(tokens)
         self._seconds[i] += float(seconds)
         per = self._steps.setdefault(bucket, {})
@@ -210,7 +224,7 @@ class Bandit:
         return self._argmax(arms, med) if arms else None
 
     def medians(self, bucket: int) -> dict[Arm, float]:
-        """Median reward (tokens/s per live row) per arm over the bucket's window (arms with observations only)."""
+        """Median reward (a row's tokens/s) per arm over the bucket's window (arms with observations only)."""
         med = self._windows.measured(self._bucket(bucket))
         return {self.config.arms[i]: e.rate for i, e in sorted(med.items())}
 
@@ -259,7 +273,7 @@ class Bandit:
 
     def stats(self) -> dict[str, Any]:
         """steps: {bucket: {arm: steps}}; tokens_per_s: {arm: tokens / seconds over every observation};
-        median_reward: {bucket: {arm: window median of tokens/s per live row}}; best: {bucket: arm}; choices:
+        median_reward: {bucket: {arm: window median of a row's tokens/s}}; best: {bucket: arm}; choices:
         {bucket: {untried, explore, exploit, declined, transferred}}; best_changes: {bucket: times the best arm
         changed}; transferred: {bucket: {arm: the bucket its estimate comes from}} for arms known there only by
         transfer. Arms as strings."""

@@ -188,7 +188,7 @@ class GenerateRun:
             tokens = int(emitted.sum())
             chunk = dict(
                 batch=b, active=n_live, length=length, arm=key.arm, choice=str(arm), seconds=dt + catchup_s,
-                tokens=tokens, first_run=first,
+                tokens=tokens, first_run=first, lag_tokens=_lag_tokens(emitted, live, info.done, maxnew_row - ngen),
             )
             if wanted != arm:
                 chunk["waited_for"] = str(wanted)  # the bandit's choice, compiling in the background
@@ -210,7 +210,7 @@ class GenerateRun:
             # with a background compile. Every process feeds the same numbers: tokens are replicated, seconds agreed.
             if e.bandit is not None and not first and quiet:
                 rows = chunk.get("row_verifies", tokens) / max(chunk["steps"], 1)  # live rows per step (plain: 1 token)
-                e.bandit.observe(arm, b, tokens, agreed_seconds(dt), chunk["steps"], rows=rows)
+                e.bandit.observe(arm, b, tokens, agreed_seconds(dt), chunk["steps"], rows=rows, lag=chunk["lag_tokens"])
             self._keep_tokens(info, ngen, slots)
             self.chunks.append(chunk)
         self._harvest(state, slots >= 0, slots, info.num_generated)
@@ -382,6 +382,18 @@ class GenerateRun:
             tail_seconds=tail_s,
             tail_share=tail_s / decode_s if decode_s > 0 else 0.0,
         )
+
+
+def _lag_tokens(emitted: np.ndarray, live: np.ndarray, done: np.ndarray, budget_left: np.ndarray) -> float:
+    """Tokens a round trip emitted for the wave's lagging row: among the rows live before and after it, those with
+    the most budget left when it began (ties: their mean). With one budget per wave that row finishes last if every
+    row runs to the cap, so its progress, not the mean row's, decides when the wave ends. Speculation advances rows
+    unevenly; plain decoding emits the same count for every row still live. No row live after it: the mean."""
+    still = live & ~done
+    if not still.any():
+        return float(emitted[live].mean()) if live.any() else 0.0
+    behind = still & (budget_left == budget_left[still].max())
+    return float(emitted[behind].mean())
 
 
 def arm_share_metrics(stats: dict[str, Any]) -> dict[str, float]:

@@ -56,12 +56,12 @@ class SpecConfig:
     are at most this many (0 = never). steps_per_call: EAGLE verify steps per host round trip (n-gram: always 1).
     patience: chunks the live rows must stay at or under the threshold before speculation turns on (hysteresis).
 
-    Adaptive (issue 17): ``arms`` (e.g. ("off", "ngram:4x2x8", "eagle:5x1x6")) lets a per-batch-bucket BEG-MAB
-    bandit (``tlt_jax.adaptive.Bandit``: arms nothing is known of first, then epsilon-greedy on the sliding-window
-    median tokens/s per live row over ``window`` round trips, exploration seeded by ``seed``) choose the arm of every
-    chunk the gate lets speculate; depth / topk / verify_tokens are then unused. ``margin``: exploration only among
-    arms estimated within this fraction of the best; ``transfer``: a bucket borrows relative speeds from the nearest
-    bucket for arms it has not measured; ``time_share``: epsilon bounds the share of time spent exploring
+    Adaptive (issue 17): ``arms`` (e.g. ("off", "ngram:4x2x8", "eagle:5x1x6")) lets a per-batch-bucket BEG-MAB bandit
+    (``tlt_jax.adaptive.Bandit``: arms nothing is known of first, then epsilon-greedy on the sliding-window median
+    tokens/s of the wave's lagging row over ``window`` round trips, exploration seeded by ``seed``) choose the arm of
+    every chunk the gate lets speculate; depth / topk / verify_tokens are then unused. ``margin``: exploration only
+    among arms estimated within this fraction of the best; ``transfer``: a bucket borrows relative speeds from the
+    nearest bucket for arms it has not measured; ``time_share``: epsilon bounds the share of time spent exploring
     (``tlt_jax.adaptive.BanditConfig``). Without arms the engine runs the one tree shape above.
 
     coupled: sampled rows draft EAGLE children coupled to the verifier's noise (``speculative.tree.coupled_scores``);
