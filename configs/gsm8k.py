@@ -42,7 +42,8 @@ whose speed drifts by tens of percent):
   compile in the background, 0.97x over four such repeats (0.92x-1.06x per pair), and 0.96x over six (0.74x-1.11x)
   with the compile thread at the lowest CPU priority (benchmarks/README.md, "Adaptive vs off on the default run");
   with every rollout decoded both ways back to back in one run (``e2e_step.py --paired adaptive``), 1.03x over
-  33 steps of three runs (90 % bootstrap interval 0.97x-1.09x; runs 1.10x, 1.07x, 0.94x).
+  33 steps of three runs (90 % bootstrap interval 0.97x-1.09x; runs 1.10x, 1.07x, 0.94x); with the bandit's
+  reward the lagging row's tokens/s, 1.01x over 22 steps of two runs (0.91x-1.12x; runs 0.98x, 1.04x).
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
 
