@@ -21,8 +21,9 @@ next to each other) and from each step's fastest rollout over the repeats (every
 policy weights, prompts and seed: once by an "off" engine and once by MODE's engine (off / ngram / static /
 adaptive), alternating which goes first. It checks that both sampled the same tokens, trains on MODE's result, and
 compares the two rollouts' seconds step by step, so a drift of the machine's speed over minutes cancels. Background
-compiles still pending when the next timed rollout starts are waited for first, outside both timings, and reported
-("drain").
+compiles and parameter updates still pending when the next timed rollout starts are waited for first, outside both
+timings, and reported ("drain"); checkpoints are written synchronously (an asynchronous write would overlap the next
+step's first rollout, always the same engine's at a given step).
 
     python benchmarks/e2e_step.py --configs gsm8k --modes off,static,tlt --steps 6   # the default run's table
     python benchmarks/e2e_step.py --configs gsm8k --modes off,adaptive --steps 8 --repeats 3
@@ -209,10 +210,14 @@ def compare_to_off(off: list[dict], runs: list[dict]) -> dict:
 
 class PairedRollout:
     """Benchmark harness (``--paired``): decodes every rollout with both engines, on the same weights, prompts and
-    seed, alternating which goes first; checks the tokens are the same; returns ``other``'s result."""
+    seed, alternating which goes first; checks the tokens are the same; returns ``other``'s result. With ``chunks``
+    each call's record keeps both engines' host round trips (``CHUNK_KEYS`` of ``stats["chunks"]``)."""
 
-    def __init__(self, base, other):
-        self.base, self.other = base, other
+    CHUNK_KEYS = ("batch", "active", "length", "choice", "seconds", "tokens", "lag_tokens", "steps", "first_run",
+                  "compile_overlap", "catchup_seconds", "waited_for")
+
+    def __init__(self, base, other, chunks: bool = False):
+        self.base, self.other, self.chunks = base, other, chunks
         self.calls: list[dict] = []
 
     @property
@@ -238,12 +243,15 @@ class PairedRollout:
         self.other.close()
 
     def generate(self, prompts, params, **kwargs):
+        import jax
+
         order = ("base", "other") if len(self.calls) % 2 == 0 else ("other", "base")
         rec, results = {"first": order[0], "temperature": params.temperature}, {}
         for name in order:
             t = time.perf_counter()
-            for engine in (self.base, self.other):  # background compiles left from before finish outside the timings
-                engine.pool.collect(wait=True)
+            for engine in (self.base, self.other):  # work left from before finishes outside the timings:
+                engine.pool.collect(wait=True)  # background compiles,
+                jax.block_until_ready((engine.params, engine.drafter_params))  # updates still in flight
             rec[f"{name}_drain_s"] = time.perf_counter() - t
             t = time.perf_counter()
             results[name] = getattr(self, name).generate(prompts, params, **kwargs)
@@ -251,6 +259,8 @@ class PairedRollout:
             st = results[name].stats
             rec[f"{name}_compile_s"] = float(st.get("compile_seconds_this_call", 0.0))
             rec[f"{name}_background_compile_s"] = float(st.get("background_compile_seconds_this_call", 0.0))
+            if self.chunks:
+                rec[f"{name}_chunks"] = [{k: c[k] for k in self.CHUNK_KEYS if k in c} for c in st["chunks"]]
         if results["base"].tokens != results["other"].tokens:
             raise AssertionError(f"paired rollout {len(self.calls)}: the two engines sampled different tokens")
         rec["tokens"] = int(sum(len(c) for comps in results["other"].tokens for c in comps))
@@ -260,14 +270,16 @@ class PairedRollout:
 
 
 def bench_paired(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, drafter: str = SHIPPED,
-                 static_tree: str = "5x1x6", extra: dict | None = None) -> dict:
+                 static_tree: str = "5x1x6", extra: dict | None = None, chunks: bool = False) -> dict:
     """One training run of ``mode`` whose every rollout is also decoded by an "off" engine (``PairedRollout``)."""
     import tlt_jax.main as main_mod
 
     if mode not in ("off", "ngram", "static", "adaptive"):
         raise ValueError(f"--paired takes off, ngram, static or adaptive (one engine per mode), got {mode!r}")
+    # checkpoints are written synchronously here: an asynchronous write would run beside the next step's first
+    # rollout, and the alternation puts a given step's first rollout always on the same engine
     common = {**OVERRIDES.get(name, {}), "train.num_steps": steps, "metrics.progress_bars": False,
-              "eval.at_start": False, **(extra or {})}
+              "eval.at_start": False, "checkpoint.async_save": False, **(extra or {})}
     cfg_off = load_config(name, {**common, **mode_overrides("off", arms, drafter, static_tree)})
     cfg = load_config(name, {**common, **mode_overrides(mode, arms, drafter, static_tree)})
     build = main_mod.build_engine
@@ -277,7 +289,7 @@ def bench_paired(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, dr
         engines = build(cfg_off, model, mesh, data), build(cfg_, model, mesh, data, workdir)
         if not all(hasattr(e, "pool") for e in engines):
             raise ValueError("--paired compares two RolloutEngines; this config builds a sliced or controlled rollout")
-        paired.append(PairedRollout(*engines))
+        paired.append(PairedRollout(*engines, chunks=chunks))
         return paired[-1]
 
     main_mod.build_engine = build_both
@@ -315,7 +327,19 @@ def summarise_paired(steady: list[dict]) -> dict:
         total("base_s", sample) / total("other_s", sample)
         for sample in ([rng.choice(steady) for _ in steady] for _ in range(2000))
     )
+    # With --chunks: decode seconds and tokens per engine, batch bucket and arm, and the part of them in round trips
+    # that ran a step for the first time or beside a background compile (what the bandit does not observe).
+    split = {}
+    for name in ("base", "other"):
+        for c in (x for rec in steady for x in rec.get(f"{name}_chunks", ())):
+            d = split.setdefault(name, {}).setdefault(str(c["batch"]), {}).setdefault(
+                c["choice"], dict(seconds=0.0, tokens=0, chunks=0, unobserved_seconds=0.0))
+            d["seconds"] += c["seconds"]
+            d["tokens"] += c["tokens"]
+            d["chunks"] += 1
+            d["unobserved_seconds"] += c["seconds"] if c["first_run"] or c.get("compile_overlap") else 0.0
     return {
+        **({"steady_chunk_split": split} if split else {}),
         "steady_steps": len(steady),
         "steady_off_s": off_s,
         "steady_mode_s": mode_s,
@@ -333,16 +357,18 @@ def summarise_paired(steady: list[dict]) -> dict:
     }
 
 
-def combine_paired(paths: list[str]) -> dict:
-    """Pool the steady paired steps of several ``--paired`` result files (same config and mode) into one summary."""
+def combine_paired(paths: list[str], skip_steps: tuple[int, ...] = ()) -> dict:
+    """Pool the steady paired steps of several ``--paired`` result files (same config and mode) into one summary,
+    leaving out the steps numbered in ``skip_steps`` (1-based, in every file)."""
     runs = [json.loads(Path(p).read_text())["configs"] for p in paths]
     out = {}
     for name in runs[0]:
         res = [r[name]["paired"] for r in runs]
         if len({r["mode"] for r in res}) != 1:
             raise ValueError(f"{name}: the files hold different modes {[r['mode'] for r in res]}")
-        out[name] = {"mode": res[0]["mode"], "files": paths,
-                     **summarise_paired([c for r in res for c in r["per_step"][1:]])}
+        steady = [c for r in res for i, c in enumerate(r["per_step"][1:], 2) if i not in skip_steps]
+        out[name] = {"mode": res[0]["mode"], "files": paths, "skipped_steps": list(skip_steps),
+                     **summarise_paired(steady)}
     return out
 
 
@@ -374,6 +400,10 @@ def main():
                     help="one run of this mode with every rollout also decoded by an off engine, step by step")
     ap.add_argument("--combine", default="",
                     help="comma-separated --paired result files: pool their steady steps into one summary")
+    ap.add_argument("--chunks", action="store_true",
+                    help="with --paired: keep both engines' host round trips of every rollout in the result file")
+    ap.add_argument("--skip_steps", default="",
+                    help="with --combine: comma-separated step numbers to leave out (e.g. 5,9)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     if args.repeats < 1:
@@ -403,13 +433,14 @@ def main():
             extra[key] = value
     results["extra_overrides"] = extra
     if args.combine:
-        results["combined"] = combine_paired(args.combine.split(","))
+        skip = tuple(int(x) for x in args.skip_steps.split(",") if x.strip())
+        results["combined"] = combine_paired(args.combine.split(","), skip)
         for name, res in results["combined"].items():
             print_paired(name, res["mode"], res)
     elif args.paired:
         for name in args.configs.split(","):
             res = bench_paired(name, args.steps or DEFAULT_STEPS.get(name, 2), args.paired, args.spec_arms,
-                               args.drafter, args.static_tree, extra)
+                               args.drafter, args.static_tree, extra, args.chunks)
             results["configs"][name] = {"paired": res}
             for i, c in enumerate(res["per_step"]):
                 print(f"{name} step {i + 1}: off {c['base_s']:.2f} s, {args.paired} {c['other_s']:.2f} s "

@@ -41,9 +41,11 @@ whose speed drifts by tens of percent):
   when the extra arms' programs compiled in place, 0.97x and 0.96x without those compiles; since new verify steps
   compile in the background, 0.97x over four such repeats (0.92x-1.06x per pair), and 0.96x over six (0.74x-1.11x)
   with the compile thread at the lowest CPU priority (benchmarks/README.md, "Adaptive vs off on the default run");
-  with every rollout decoded both ways back to back in one run (``e2e_step.py --paired adaptive``), 1.03x over
-  33 steps of three runs (90 % bootstrap interval 0.97x-1.09x; runs 1.10x, 1.07x, 0.94x); with the bandit's
-  reward the lagging row's tokens/s, 1.01x over 22 steps of two runs (0.91x-1.12x; runs 0.98x, 1.04x).
+  with every rollout decoded both ways back to back in one run (``e2e_step.py --paired adaptive``), 0.91x over
+  33 steps of three runs (90 % bootstrap interval 0.84x-0.97x; runs 0.91x, 0.98x, 0.84x; an A/A run 1.00x), most
+  of the loss in round trips beside background compiles; the first paired runs' 1.03x and 1.01x were biased by an
+  asynchronous checkpoint write beside the "off" engine's rollouts of steps 5 and 9 (0.95x without those steps)
+  (benchmarks/README.md, "Adaptive vs off on the default run, paired, without the checkpoint bias").
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
 

@@ -111,31 +111,34 @@ def test_explores_at_rate_epsilon():
     rates = {2: {"off": 100.0, "eagle:8x4x48": 200.0, "eagle:4x2x12": 50.0}}
     chosen = run(b, lambda t: rates, n)[2]
     c = b.stats()["choices"][2]
-    assert c["untried"] == 3 and c["explore"] + c["exploit"] == n - 3 and c["declined"] == 0
+    k = 3 * 3  # each arm measured min_count = 3 times first, round robin
+    assert chosen[:k] == ARMS * 3
+    assert c["untried"] == k and c["explore"] + c["exploit"] == n - k and c["declined"] == 0
     sd = np.sqrt(n * eps * (1 - eps))
     assert abs(c["explore"] - n * eps) < 4 * sd
-    assert sum(a != "eagle:8x4x48" for a in chosen[3:]) == c["explore"]
-    # epsilon = 0: once every arm is tried, only the best is chosen
+    assert sum(a != "eagle:8x4x48" for a in chosen[k:]) == c["explore"]
+    # epsilon = 0: once every arm is measured, only the best is chosen
     g = make_bandit(ARMS, epsilon=0.0, window=10_000)
-    assert set(run(g, lambda t: rates, 200)[2][3:]) == {"eagle:8x4x48"}
+    assert set(run(g, lambda t: rates, 200)[2][k:]) == {"eagle:8x4x48"}
 
 
 def test_explores_only_plausible_arms():
     """Default margin 0.1: off (within 5% of the best) is explored at rate epsilon, eagle:4x2x12 (half the best) never
-    after its first try (the window is longer than the run, so it never ages out)."""
+    after its first min_count = 3 measurements (the window is longer than the run, so they never age out)."""
     eps, n = 0.2, 1500
     rates = {2: {"off": 190.0, "eagle:8x4x48": 200.0, "eagle:4x2x12": 100.0}}
     b = make_bandit(ARMS, epsilon=eps, window=10_000, seed=4, time_share=False)
     chosen = run(b, lambda t: rates, n)[2]
     c = b.stats()["choices"][2]
-    assert chosen.count("eagle:4x2x12") == 1 and c["untried"] == 3
-    assert chosen[3:].count("off") == c["explore"]
+    assert chosen.count("eagle:4x2x12") == 3 and c["untried"] == 9
+    # every exploration ran off; off was exploited only while its first medians (of 3 noisy measurements) led
+    assert str(b.best(2)) == "eagle:8x4x48" and 0 <= chosen[9:].count("off") - c["explore"] <= 30
     sd = np.sqrt(n * eps * (1 - eps))
     assert abs(c["explore"] - n * eps) < 4 * sd
     # nothing plausible: every exploration draw is declined (counted), none explores
     far = {2: {"off": 100.0, "eagle:8x4x48": 200.0, "eagle:4x2x12": 50.0}}
     d = make_bandit(ARMS, epsilon=eps, window=10_000, seed=4)
-    assert run(d, lambda t: far, n)[2][3:] == ["eagle:8x4x48"] * (n - 3)
+    assert run(d, lambda t: far, n)[2][9:] == ["eagle:8x4x48"] * (n - 9)
     cd = d.stats()["choices"][2]
     assert cd["explore"] == 0 and abs(cd["declined"] - n * eps) < 4 * sd
     # noise-free timings (no spread): margin 0 explores nothing slower than the best, margin 1 every arm
@@ -146,7 +149,7 @@ def test_explores_only_plausible_arms():
             a = z.choose(2)
             chosen.append(str(a))
             z.observe(a, 2, 64, 64 / rates[2][str(a)])
-        assert chosen[:3] == ARMS and set(chosen[3:]) == want, margin
+        assert chosen[:9] == ARMS * 3 and set(chosen[9:]) == want, margin
 
 
 def test_time_share_bounds_exploration_time():
@@ -271,14 +274,41 @@ def test_forgets_after_the_best_arm_changes():
     assert str(b.best(4)) == "eagle:8x4x48"
     assert chosen[-150:].count("eagle:8x4x48") > 130
     assert b.stats()["best_changes"][4] >= 1
-    # the window alone forgets, even without exploration: arms age out of it and are retried; a window longer than
-    # the run with no exploration never learns of the change (the control)
-    w = make_bandit(ARMS, epsilon=0.0, window=30, seed=5)
+    # the window alone forgets, even without exploration: arms age out of it and are retried (min_count = 1: once
+    # they are gone; the default 3: once fewer than 3 are left, i.e. 3 of every 30 round trips per losing arm); a
+    # window longer than the run with no exploration never learns of the change (the control)
+    w = make_bandit(ARMS, epsilon=0.0, window=30, seed=5, min_count=1)
     chosen = run(w, lambda t: before if t < 100 else after, 200)[4]
     assert chosen[-50:].count("eagle:8x4x48") > 45
+    w3 = make_bandit(ARMS, epsilon=0.0, window=30, seed=5)
+    chosen = run(w3, lambda t: before if t < 100 else after, 200)[4]
+    assert str(w3.best(4)) == "eagle:8x4x48" and 30 <= chosen[-50:].count("eagle:8x4x48") <= 45
     frozen = make_bandit(ARMS, epsilon=0.0, window=10_000, seed=5)
     chosen = run(frozen, lambda t: before if t < 100 else after, 200)[4]
     assert chosen[-50:].count("off") == 50  # no exploration and no window: never finds out
+
+
+def test_one_slow_measurement_does_not_rule_an_arm_out():
+    """The default run's failure mode: "off" measured once on a slow stretch of the machine (the first rollout, a
+    compile beside it) at less than half its speed. With one measurement enough (min_count = 1) that median rules it
+    out and the bandit stays on a slower EAGLE arm for good; with the default min_count = 3 it is measured again and
+    wins."""
+    def table(t):
+        return {8: {"off": 60.0 if t == 0 else 150.0, "eagle:8x4x48": 120.0, "eagle:4x2x12": 100.0}}
+
+    one = make_bandit(ARMS, epsilon=0.1, window=300, seed=1, min_count=1)
+    chosen = run(one, table, 250)[8]
+    assert chosen.count("off") == 1 and str(one.best(8)) == "eagle:8x4x48"
+    three = make_bandit(ARMS, epsilon=0.1, window=300, seed=1)
+    chosen = run(three, table, 250)[8]
+    assert chosen[:9] == ARMS * 3 and str(three.best(8)) == "off"
+    assert chosen[-100:].count("off") > 85
+    assert 140 < three.medians(8)[parse_arm("off")] < 160
+    # a transferred estimate stands in for measurements: bucket 4 exploits what bucket 8 measured, unmeasured
+    assert str(three.choose(4)) == "off" and three.stats()["choices"][4] == dict(
+        untried=0, explore=0, exploit=1, declined=0, transferred=1
+    )
+    assert SpecConfig(arms=ARMS, min_count=2).bandit_config().min_count == 2
 
 
 def test_reproducible_given_the_timings():
@@ -356,6 +386,9 @@ def test_table_restricts_buckets_and_reachable_set():
         (dict(margin=True), r"BanditConfig.margin must be in \[0, 1\]"),
         (dict(transfer="yes"), "BanditConfig.transfer must be True or False, got 'yes'"),
         (dict(time_share=1), "BanditConfig.time_share must be True or False, got 1"),
+        (dict(min_count=0), r"BanditConfig.min_count must be an integer >= 1 .*got 0"),
+        (dict(min_count=True), "BanditConfig.min_count must be an integer"),
+        (dict(window=2), r"BanditConfig.min_count \(3\) exceeds window \(2\).*lower min_count or raise window"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):

@@ -54,9 +54,10 @@ def plain(model):
 
 @pytest.fixture(scope="module")
 def adaptive(model, drafter):
-    """epsilon = 1 and margin = 1 (every arm plausible): after each arm's first try every chunk picks a random arm
-    other than the best, so arms switch inside waves. Every reachable (arm, bucket) is precompiled."""
-    spec = SpecConfig(arms=ARMS, epsilon=1.0, margin=1.0, threshold=8, seed=1)
+    """epsilon = 1 and margin = 1 (every arm plausible), min_count = 1: after each arm's first measurement every
+    chunk picks a random arm other than the best, so arms switch inside waves. Every reachable (arm, bucket) is
+    precompiled."""
+    spec = SpecConfig(arms=ARMS, epsilon=1.0, margin=1.0, threshold=8, seed=1, min_count=1)
     return RolloutEngine(model, drafter=drafter, spec=spec, precompile=True, **KW)
 
 
@@ -99,7 +100,7 @@ def test_bandit_state_lives_across_calls_and_round_trips(adaptive, model, drafte
     assert second["bandit"]["choices"][8]["untried"] == first["bandit"]["choices"][8]["untried"]
     assert second["pool_this_call"]["compiles"] == 0  # precompiled: whatever the bandit picks (prefill: call 1)
     state = adaptive.state_dict()
-    spec = SpecConfig(arms=ARMS, epsilon=1.0, margin=1.0, threshold=8, seed=1)
+    spec = SpecConfig(arms=ARMS, epsilon=1.0, margin=1.0, threshold=8, seed=1, min_count=1)
     other = RolloutEngine(model, drafter=drafter, spec=spec, **KW)
     other.load_state_dict(state)
     assert other.state_dict() == state
@@ -168,7 +169,7 @@ def test_background_compile_decodes_plain_meanwhile(model, drafter, plain):
 
 
 def test_patience_delays_speculation_and_ngram_arms_need_no_drafter(model, plain):
-    spec = SpecConfig(arms=("off", "ngram:3x2x6"), epsilon=0.0, threshold=8, patience=2)
+    spec = SpecConfig(arms=("off", "ngram:3x2x6"), epsilon=0.0, threshold=8, patience=2, min_count=1)
     eng = RolloutEngine(model, spec=spec, pool_max_bytes=10**9, **KW)  # n-gram arms: no drafter object
     res = eng.generate(PROMPTS, GREEDY)
     assert_same(res, plain.generate(PROMPTS, GREEDY))

@@ -14,7 +14,11 @@ over all its arms; an arm's estimate there is the median reward of its observati
 an estimate transferred from the nearest bucket that measured it together with an arm this bucket measured (relative
 speed carries over, absolute speed does not; ``tlt_jax.adaptive.estimates``). Choosing an arm for a bucket:
 
-1. arms of which nothing is known (no estimate, measured or transferred) are tried first, in the configured order;
+1. arms of which nothing is known (no estimate, measured or transferred), or that the bucket's window holds fewer
+   than ``min_count`` measurements of, are tried first (the least measured first, ties in the configured order, so
+   every arm is measured once before any twice): a median of one or two round trips may be one slow stretch of the
+   machine (a compile beside it, the first call of a run), and an arm it ruled out would not be explored again until
+   that measurement left the window;
 2. otherwise the best estimate is exploited, except that with probability ``epsilon`` an exploration draw picks one of
    the *plausible* other arms: those not clearly worse than the best, i.e. whose estimate is at least ``(1 - margin)``
    times the best's once the noise of few observations is allowed for (``margin=1``: every arm, as the original
@@ -23,11 +27,13 @@ speed carries over, absolute speed does not; ``tlt_jax.adaptive.estimates``). Ch
    exploration takes at most about ``epsilon`` of the bucket's *time* even when the explored arm's round trips are
    longer than the best arm's (a verify round trip at a large batch).
 
-A clearly losing arm is therefore not explored; it is measured again once its observations leave the bucket's window
-(and no fresh neighbour speaks for it): after the best arm changes (a drafter that improved, a different temperature)
-every stale estimate is gone within about ``window`` observations. Randomness comes from a seeded PCG64 generator drawn
-only at step 2, so the decisions are a function of the seed and the reported numbers; in several processes every
-process must report the same numbers (``tlt_jax.adaptive.sync.agreed_seconds``).
+A clearly losing arm is therefore not explored; it is measured again once fewer than ``min_count`` of its
+observations are left in the bucket's window (about ``min_count / window`` of the bucket's round trips per losing
+arm; with ``min_count=1``, once none is left and no fresh neighbour speaks for it): after the best arm changes (a
+drafter that improved, a different temperature) every stale estimate is gone within about ``window`` observations.
+Randomness comes from a seeded PCG64 generator drawn only at step 2, so the decisions are a function of the seed and
+the reported numbers; in several processes every process must report the same numbers
+(``tlt_jax.adaptive.sync.agreed_seconds``).
 
 The state (observations, generator, counters) round-trips through ``state_dict`` / ``load_state_dict`` as JSON values,
 so it lives in checkpoints and carries across generate calls.
@@ -54,8 +60,10 @@ class BanditConfig:
     exploration probability. window: observations per bucket the medians are taken over. seed: of the exploration
     generator. margin: explore only arms estimated within this fraction of the best (0 = only ties, 1 = every arm).
     transfer: estimate arms a bucket has not measured from the nearest bucket that did. time_share: epsilon bounds the
-    share of time spent exploring, not of round trips. table: optional {bucket: arms} restricting a batch bucket to a
-    subset of ``arms`` (other buckets use all arms; a bucket with one arm never explores)."""
+    share of time spent exploring, not of round trips. min_count: measurements of an arm a bucket's window must hold
+    before its median decides (fewer: the arm is measured again first; 1 = one measurement suffices). table:
+    optional {bucket: arms} restricting a batch bucket to a subset of ``arms`` (other buckets use all arms; a bucket
+    with one arm never explores)."""
 
     arms: tuple[Arm, ...]
     epsilon: float = 0.1
@@ -65,6 +73,7 @@ class BanditConfig:
     margin: float = 0.1
     transfer: bool = True
     time_share: bool = True
+    min_count: int = 3
 
     def __post_init__(self):
         object.__setattr__(self, "arms", parse_arms(self.arms))
@@ -89,6 +98,16 @@ class BanditConfig:
             raise ValueError(f"BanditConfig.window must be an integer >= 1, got {self.window}")
         if int(self.seed) != self.seed or self.seed < 0:
             raise ValueError(f"BanditConfig.seed must be an integer >= 0, got {self.seed}")
+        if isinstance(self.min_count, bool) or int(self.min_count) != self.min_count or self.min_count < 1:
+            raise ValueError(
+                f"BanditConfig.min_count must be an integer >= 1 (measurements of an arm before its median decides), "
+                f"got {self.min_count!r}"
+            )
+        if self.min_count > self.window:
+            raise ValueError(
+                f"BanditConfig.min_count ({self.min_count}) exceeds window ({self.window}): the window could never "
+                "hold that many measurements of an arm; lower min_count or raise window"
+            )
         if isinstance(self.margin, bool) or not 0.0 <= float(self.margin) <= 1.0:
             raise ValueError(
                 f"BanditConfig.margin must be in [0, 1], got {self.margin!r}: the fraction below the best arm's "
@@ -153,10 +172,14 @@ class Bandit:
             counts["exploit"] += 1
             return arms[0]
         est = self._estimates(bucket, arms)
-        for a in arms:
-            if self._index[a] not in est:
-                counts["untried"] += 1
-                return a
+        short = [
+            (0 if e is None else e.count, k, a)
+            for k, a in enumerate(arms)
+            if (e := est.get(self._index[a])) is None or (not e.transferred and e.count < self.config.min_count)
+        ]
+        if short:  # the least measured first, then in the configured order
+            counts["untried"] += 1
+            return min(short)[2]
         best = self._argmax(arms, est)
         eb = est[self._index[best]]
         u = self._rng.random()

@@ -29,8 +29,10 @@ import jax
 
 Builder = Callable[["StepKey"], Callable]
 
-# The worker thread's nice value (Linux): a background compile takes only the CPU the caller's decoding leaves, since
-# on a CPU backend both share the cores (benchmarks/trace_contention.py measures the difference).
+# The worker thread's nice value (Linux), since on a CPU backend a background compile and the caller's decoding share
+# the cores. It covers the work done on the worker thread itself (tracing, lowering, small programs:
+# benchmarks/trace_contention.py); XLA compiles a large program mostly on threads of its own, created with the client
+# at the priority of the thread that first used JAX (docs/architecture.md §4.5).
 BACKGROUND_NICE = 19
 
 
@@ -185,9 +187,9 @@ class StepPool:
 
     def prepare(self, key: StepKey, make_args: Callable[[], tuple]) -> bool:
         """Whether ``key`` is pooled, i.e. runs without a compile on the caller's thread. If not, its compile (from
-        the shapes of ``make_args()``) starts on the pool's worker thread (lowest CPU priority), once. Finished
-        background compiles enter the pool only in ``collect`` or ``get``, on the caller's thread, so the pool never
-        changes under it: call ``collect`` first to see them."""
+        the shapes of ``make_args()``) starts on the pool's worker thread (lowest CPU priority; XLA's own compile
+        threads keep theirs), once. Finished background compiles enter the pool only in ``collect`` or ``get``, on
+        the caller's thread, so the pool never changes under it: call ``collect`` first to see them."""
         if key in self._compiled:
             return True
         if key not in self._pending:

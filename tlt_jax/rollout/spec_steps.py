@@ -57,11 +57,12 @@ class SpecConfig:
     patience: chunks the live rows must stay at or under the threshold before speculation turns on (hysteresis).
 
     Adaptive (issue 17): ``arms`` (e.g. ("off", "ngram:4x2x8", "eagle:5x1x6")) lets a per-batch-bucket BEG-MAB bandit
-    (``tlt_jax.adaptive.Bandit``: arms nothing is known of first, then epsilon-greedy on the sliding-window median
-    tokens/s of the wave's lagging row over ``window`` round trips, exploration seeded by ``seed``) choose the arm of
-    every chunk the gate lets speculate; depth / topk / verify_tokens are then unused. ``margin``: exploration only
-    among arms estimated within this fraction of the best; ``transfer``: a bucket borrows relative speeds from the
-    nearest bucket for arms it has not measured; ``time_share``: epsilon bounds the share of time spent exploring
+    (``tlt_jax.adaptive.Bandit``: arms nothing (or too little) is known of first, then epsilon-greedy on the
+    sliding-window median tokens/s of the wave's lagging row over ``window`` round trips, exploration seeded by
+    ``seed``) choose the arm of every chunk the gate lets speculate; depth / topk / verify_tokens are then unused.
+    ``margin``: exploration only among arms estimated within this fraction of the best; ``transfer``: a bucket
+    borrows relative speeds from the nearest bucket for arms it has not measured; ``time_share``: epsilon bounds the
+    share of time spent exploring; ``min_count``: measurements of an arm in a bucket before its median decides
     (``tlt_jax.adaptive.BanditConfig``). Without arms the engine runs the one tree shape above.
 
     coupled: sampled rows draft EAGLE children coupled to the verifier's noise (``speculative.tree.coupled_scores``);
@@ -82,6 +83,7 @@ class SpecConfig:
     margin: float = 0.1
     transfer: bool = True
     time_share: bool = True
+    min_count: int = 3
     coupled: bool = True
 
     def __post_init__(self):
@@ -134,6 +136,7 @@ class SpecConfig:
             margin=self.margin,
             transfer=self.transfer,
             time_share=self.time_share,
+            min_count=self.min_count,
         )
 
     def engine_arms(self, kind: str | None) -> tuple[Arm, ...]:
