@@ -61,9 +61,9 @@ class BanditConfig:
     generator. margin: explore only arms estimated within this fraction of the best (0 = only ties, 1 = every arm).
     transfer: estimate arms a bucket has not measured from the nearest bucket that did. time_share: epsilon bounds the
     share of time spent exploring, not of round trips. min_count: measurements of an arm a bucket's window must hold
-    before its median decides (fewer: the arm is measured again first; 1 = one measurement suffices). table:
-    optional {bucket: arms} restricting a batch bucket to a subset of ``arms`` (other buckets use all arms; a bucket
-    with one arm never explores)."""
+    before its median decides (fewer: the arm is measured again first; 1 = one measurement suffices; at most
+    window). table: optional {bucket: arms} restricting a batch bucket to a subset of ``arms`` (other buckets use all
+    arms; a bucket with one arm never explores)."""
 
     arms: tuple[Arm, ...]
     epsilon: float = 0.1
@@ -103,11 +103,7 @@ class BanditConfig:
                 f"BanditConfig.min_count must be an integer >= 1 (measurements of an arm before its median decides), "
                 f"got {self.min_count!r}"
             )
-        if self.min_count > self.window:
-            raise ValueError(
-                f"BanditConfig.min_count ({self.min_count}) exceeds window ({self.window}): the window could never "
-                "hold that many measurements of an arm; lower min_count or raise window"
-            )
+        object.__setattr__(self, "min_count", min(int(self.min_count), int(self.window)))  # all a window can hold
         if isinstance(self.margin, bool) or not 0.0 <= float(self.margin) <= 1.0:
             raise ValueError(
                 f"BanditConfig.margin must be in [0, 1], got {self.margin!r}: the fraction below the best arm's "
