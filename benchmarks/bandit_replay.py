@@ -63,9 +63,11 @@ WORKLOADS = {  # batch -> (max new tokens, prompt groups, fixed tree configs)
     },
 }
 VARIANTS = {  # BanditConfig fields; per_row=False: the engine reports rows=1 (reward = tokens/s, as before this rule)
-    "beg-mab-orig": dict(margin=1.0, transfer=False, time_share=False, per_row=False),
-    "beg-mab": dict(margin=1.0, transfer=False, time_share=False),
+    "beg-mab-orig": dict(margin=1.0, transfer=False, time_share=False, per_row=False, min_count=1),
+    "beg-mab": dict(margin=1.0, transfer=False, time_share=False, min_count=1),
     "new": dict(transfer=True, time_share=True),
+    "new-min1": dict(transfer=True, time_share=True, min_count=1),  # one measurement decides (before min_count)
+    "new-min2": dict(transfer=True, time_share=True, min_count=2),
     "transfer-only": dict(margin=1.0, transfer=True, time_share=False),
     "margin-only": dict(transfer=False, time_share=False),
     "new-no-time": dict(transfer=True, time_share=False),
