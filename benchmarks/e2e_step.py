@@ -40,6 +40,7 @@ import math
 import os
 import platform
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -253,9 +254,12 @@ class PairedRollout:
                 engine.pool.collect(wait=True)  # background compiles,
                 jax.block_until_ready((engine.params, engine.drafter_params))  # updates still in flight
             rec[f"{name}_drain_s"] = time.perf_counter() - t
-            t = time.perf_counter()
+            t, ru = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             results[name] = getattr(self, name).generate(prompts, params, **kwargs)
             rec[f"{name}_s"] = time.perf_counter() - t
+            ru2 = resource.getrusage(resource.RUSAGE_SELF)  # page faults and CPU seconds of the whole process
+            rec[f"{name}_minflt"] = ru2.ru_minflt - ru.ru_minflt
+            rec[f"{name}_cpu_s"] = ru2.ru_utime + ru2.ru_stime - ru.ru_utime - ru.ru_stime
             st = results[name].stats
             rec[f"{name}_compile_s"] = float(st.get("compile_seconds_this_call", 0.0))
             rec[f"{name}_background_compile_s"] = float(st.get("background_compile_seconds_this_call", 0.0))

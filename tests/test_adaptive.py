@@ -1,7 +1,7 @@
 """Adaptive speculation: arm parsing, the BEG-MAB bandit on scripted reward tables (convergence per bucket, the
 exploration rate, arms nothing is known of first, transfer between buckets, plausible-only and time-share
-exploration, forgetting after the best arm changes, reproducibility, state round trip), the hysteresis gate and the
-reachable (arm, bucket) set."""
+exploration, forgetting after the best arm changes, reproducibility, state round trip, the loss budget against plain
+decoding), the hysteresis gate and the reachable (arm, bucket) set."""
 
 import dataclasses
 import json
@@ -177,7 +177,7 @@ def test_transfer_between_buckets():
     run(b, lambda t: {8: b8}, 10)
     first = b.choose(4)
     assert str(first) == "eagle:4x2x12" and b.stats()["choices"][4] == dict(
-        untried=0, explore=0, exploit=1, declined=0, transferred=1
+        untried=0, explore=0, exploit=1, declined=0, transferred=1, held=0
     )
     est = b.estimates(4)
     assert {str(a): e.source for a, e in est.items()} == {a: 8 for a in ARMS}  # the empty bucket takes 8's medians
@@ -305,10 +305,84 @@ def test_one_slow_measurement_does_not_rule_an_arm_out():
     assert 140 < three.medians(8)[parse_arm("off")] < 160
     # a transferred estimate stands in for measurements: bucket 4 exploits what bucket 8 measured, unmeasured
     assert str(three.choose(4)) == "off" and three.stats()["choices"][4] == dict(
-        untried=0, explore=0, exploit=1, declined=0, transferred=1
+        untried=0, explore=0, exploit=1, declined=0, transferred=1, held=0
     )
     assert SpecConfig(arms=ARMS, min_count=2).bandit_config().min_count == 2
     assert BanditConfig(parse_arms(ARMS), window=2).min_count == 2  # a window of 2 holds at most 2 measurements
+
+
+def run_charged(bandit: Bandit, rates: dict, rounds: int, compile_s: float = 0.0, tokens: int = 64):
+    """``run`` as the engine keeps the loss ledger: every round trip is charged (one row, lag = tokens); a
+    speculative arm's first round trip in a bucket costs ``compile_s`` more and is not observed (its step's first
+    run). Returns (chosen arms per bucket, seconds taken, seconds plain decoding would have taken)."""
+    noise = np.random.default_rng(0)
+    chosen, seen, taken, plain = {}, set(), 0.0, 0.0
+    for _ in range(rounds):
+        for bucket, r in rates.items():
+            arm = bandit.choose(bucket)
+            secs = tokens / r[str(arm)] * float(np.exp(noise.normal(0, 0.1)))
+            first = arm.speculative and (bucket, arm) not in seen
+            seen.add((bucket, arm))
+            if first:
+                secs += compile_s
+            else:
+                bandit.observe(arm, bucket, tokens, secs, steps=3, lag=tokens)
+            bandit.charge(arm, bucket, tokens, secs, lag=tokens, as_plain=not arm.speculative)
+            taken, plain = taken + secs, plain + tokens / r["off"]
+            chosen.setdefault(bucket, []).append(str(arm))
+    return chosen, taken, plain
+
+
+def test_loss_budget_bounds_what_exploration_costs():
+    """Arms much slower than plain decoding and a compile per arm: the unbounded bandit (epsilon 0.3, every arm
+    plausible) loses a large share of the time to exploring them; with max_loss = 0.05 it loses about 5 % (at most
+    one compile and one round trip beyond), measures "off" first, and still tries every arm as the budget recovers.
+    The ledger's plain seconds track what plain decoding would have taken."""
+    rates = {8: {"off": 150.0, "eagle:8x4x48": 50.0, "eagle:4x2x12": 60.0}}
+    kw = dict(epsilon=0.3, margin=1.0, window=300, seed=2)
+    _, taken, plain = run_charged(make_bandit(ARMS, **kw), rates, 400, compile_s=3.0)
+    assert taken / plain > 1.15
+    b = make_bandit(ARMS, max_loss=0.05, **kw)
+    chosen, taken, plain = run_charged(b, rates, 400, compile_s=3.0)
+    assert chosen[8][:3] == ["off"] * 3  # the baseline first
+    assert taken - plain <= 0.05 * plain + 3.0 + 64 / 50.0 * 1.5
+    assert taken / plain > 1.02  # the budget is used, not left idle
+    led, c = b.stats()["ledger"], b.stats()["choices"][8]
+    assert led["max_loss"] == 0.05 and led["plain_s"] == pytest.approx(plain, rel=0.05)
+    assert led["plain_s"] + led["loss_s"] == pytest.approx(taken, rel=1e-9)
+    assert c["held"] > 0 and set(chosen[8]) == set(ARMS)  # every arm tried, as the budget allowed
+    assert sum(c.values()) - c["declined"] - c["transferred"] == 400  # untried + explore + exploit + held
+
+
+def test_loss_budget_still_finds_a_faster_arm_and_holds_after_a_loss():
+    """A faster arm pays for the exploration it took to find it: the bounded bandit exploits it and the ledger
+    shows a gain. A loss beyond the budget (e.g. a long compile beside plain decoding) stops exploration and
+    compiles (``may_spend``) until plain decoding has earned max_loss of it back; the best arm is still exploited."""
+    rates = {1: {"off": 100.0, "eagle:8x4x48": 80.0, "eagle:4x2x12": 200.0}}
+    b = make_bandit(ARMS, epsilon=0.1, margin=1.0, window=300, seed=3, max_loss=0.05)
+    chosen, taken, plain = run_charged(b, rates, 300, compile_s=1.0)
+    assert chosen[1][-100:].count("eagle:4x2x12") > 85 and b.stats()["ledger"]["loss_s"] < 0 and taken < plain
+    assert b.may_spend() and make_bandit(ARMS).headroom() == float("inf")
+    b.charge("off", 1, 64, 1000.0, lag=64, as_plain=False)  # 1000 s for what plain does in 0.64 s
+    h = b.headroom()
+    assert h < 0 and not b.may_spend()
+    before = dict(b.stats()["choices"][1])
+    picks = [str(b.choose(1)) for _ in range(200)]
+    after = b.stats()["choices"][1]
+    assert set(picks) == {"eagle:4x2x12"} and after["held"] > before["held"] and after["explore"] == before["explore"]
+    # plain round trips at plain's cost add max_loss of their seconds to the headroom
+    b.charge("off", 1, 64, -h / 0.05 + 1.0, lag=64, as_plain=True)
+    assert b.may_spend() and b.headroom() == pytest.approx(0.05, abs=1e-6)
+    # the ledger lives in the state (checkpoints); a state saved before it had none loads as an empty ledger
+    c = Bandit.from_state_dict(b.config, json.loads(json.dumps(b.state_dict())))
+    assert c.stats()["ledger"] == b.stats()["ledger"] and c.headroom() == b.headroom()
+    old = b.state_dict()
+    del old["ledger"]
+    assert Bandit.from_state_dict(b.config, old).stats()["ledger"]["plain_s"] == 0.0
+    # where "off" is not known in the bucket, a round trip counts at its own seconds (no baseline to compare with)
+    d = make_bandit(ARMS, max_loss=0.05)
+    d.charge("eagle:4x2x12", 2, 64, 0.5, lag=64, as_plain=False)
+    assert d.stats()["ledger"] == dict(plain_s=0.5, loss_s=0.0, max_loss=0.05)
 
 
 def test_reproducible_given_the_timings():
@@ -388,6 +462,9 @@ def test_table_restricts_buckets_and_reachable_set():
         (dict(time_share=1), "BanditConfig.time_share must be True or False, got 1"),
         (dict(min_count=0), r"BanditConfig.min_count must be an integer >= 1 .*got 0"),
         (dict(min_count=True), "BanditConfig.min_count must be an integer"),
+        (dict(max_loss=0.0), r"BanditConfig.max_loss must be None \(no bound\) or in \(0, 1\], got 0.0: .*e.g. 0.05"),
+        (dict(max_loss=1.5), r"BanditConfig.max_loss must be None"),
+        (dict(max_loss=True), r"BanditConfig.max_loss must be None"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
@@ -401,6 +478,9 @@ def test_table_restricts_buckets_and_reachable_set():
     )
     with pytest.raises(ValueError, match=r"SpecConfig.margin must be in \[0, 1\]"):
         SpecConfig(arms=("off", "eagle:8x4x48"), margin=2.0)
+    assert SpecConfig(arms=("off", "eagle:8x4x48"), max_loss=0.02).bandit_config().max_loss == 0.02
+    with pytest.raises(ValueError, match=r"SpecConfig.max_loss bounds the loss against plain decoding, .*'off'"):
+        SpecConfig(arms=("eagle:8x4x48", "eagle:4x2x12"), max_loss=0.05)
 
 
 def test_observe_rejects_bad_reports():

@@ -206,8 +206,15 @@ def test_adaptive_rollout_keys(tmp_path):
         ("spec_epsilon", 1.5, r"in \[0, 1\]"),
         ("spec_window", 0, ">= 1"),
         ("spec_patience", -1, ">= 0"),
+        ("spec_max_loss", 1.5, r"in \[0, 1\] \(a fraction of plain decoding's time; 0 = no bound\)"),
+        ("spec_max_loss", -0.1, r"in \[0, 1\]"),
     ]:
         with pytest.raises(ConfigError, match=rf"config.rollout.{key}: must be {match}"):
             from_config_dict({**d, "rollout": {**d["rollout"], key: value}})
     r = from_config_dict({**d, "rollout": {**d["rollout"], "spec_patience": 2}}).rollout
     assert (r.speculative, r.spec_arms, r.spec_patience) == ("adaptive", "off,eagle:3x2x6", 2)
+    # the loss bound is against plain decoding: it needs the "off" arm (or no bound)
+    with pytest.raises(ConfigError, match=r"config.rollout.spec_max_loss: bounds the loss .* must include 'off'"):
+        from_config_dict({**d, "rollout": {**d["rollout"], "spec_arms": "eagle:3x2x6,eagle:2x1x3"}})
+    r = from_config_dict({**d, "rollout": {**d["rollout"], "spec_arms": "eagle:3x2x6", "spec_max_loss": 0.0}})
+    assert r.rollout.spec_max_loss == 0.0

@@ -398,8 +398,10 @@ def test_adaptive_rollouts_report_arm_shares_and_resume_the_bandit(tmp_path):
         shares = {k: v for k, v in rows[step].items() if k.startswith("rollout/arm_share/")}
         assert set(shares) <= {"rollout/arm_share/off", "rollout/arm_share/ngram:3x2x6"} and shares
         assert sum(shares.values()) == pytest.approx(1.0)
+        assert np.isfinite(rows[step]["rollout/spec_loss"])  # the bandit's ledger: cost beyond plain decoding
     before = _bandit_state(tmp_path, 2)
     assert before["arms"] == ["off", "ngram:3x2x6"] and sum(before["tokens"]) > 0
+    assert before["ledger"][0] > 0  # the loss ledger (rollout.spec_max_loss) is kept and checkpointed
     run(_cfg("tiny.py", "--config.train.num_steps=3", *common), str(tmp_path))
     after = _bandit_state(tmp_path, 3)
     for bucket, window in before["observations"].items():
@@ -410,6 +412,16 @@ def test_adaptive_rollouts_report_arm_shares_and_resume_the_bandit(tmp_path):
             _cfg("tiny.py", "--config.train.num_steps=4", *common[:-2], "--config.rollout.spec_arms=ngram:3x2x6,off"),
             str(tmp_path),
         )
+
+
+def test_adaptive_spec_takes_the_loss_bound():
+    """rollout.spec_max_loss reaches the engine's bandit (0 = no bound)."""
+    from tlt_jax.builders import adaptive_spec
+
+    common = ("--config.rollout.speculative=adaptive", "--config.rollout.spec_arms=off,ngram:3x2x6")
+    assert adaptive_spec(_cfg("tiny.py", *common), None)["spec"].bandit_config().max_loss == 0.05  # the default
+    assert adaptive_spec(_cfg("tiny.py", *common, "--config.rollout.spec_max_loss=0.2"), None)["spec"].max_loss == 0.2
+    assert adaptive_spec(_cfg("tiny.py", *common, "--config.rollout.spec_max_loss=0"), None)["spec"].max_loss is None
 
 
 def test_unusable_eagle_drafter_is_a_config_error(tmp_path):

@@ -205,7 +205,7 @@ try:
 except RuntimeError as e:
     diverged = str(e)
 from tlt_jax.adaptive import agreed_all, agreed_seconds
-agreed = [list(agreed_all(me == 0, True, me == 1)), agreed_seconds(0.25 + me)]
+agreed = [list(agreed_all(me == 0, True, me == 1)), agreed_seconds(0.25 + me), list(agreed_seconds(0.5 + me, 2.0 - me))]
 print("RESULT " + json.dumps(dict(
     me=me, batch=batch == whole, mine=seen, scores=out.scores.tolist(), info=out.info,
     host=to_host(x * 2).tolist(), reduced=reduced, diverged=diverged, agreed=agreed)), flush=True)
@@ -239,7 +239,7 @@ def test_host_collectives_on_two_processes():
     assert r0["reduced"] == r1["reduced"] == {"time/step_s": 2.0, "reward/mean": 0.5}
     assert "processes diverged: metric 'reward/mean' is [0.0, 1.0]" in r0["diverged"]
     # the bandit's agreement: a flag holds only where it holds on every process; seconds are the slowest process's
-    assert r0["agreed"] == r1["agreed"] == [[False, True, False], 1.25]
+    assert r0["agreed"] == r1["agreed"] == [[False, True, False], 1.25, [1.5, 2.0]]
 
 
 # ----- the main job across processes ------------------------------------------------------------------------------

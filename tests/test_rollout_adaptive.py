@@ -168,6 +168,32 @@ def test_background_compile_decodes_plain_meanwhile(model, drafter, plain):
     assert "eagle:3x2x6" in {c["choice"] for c in second}
 
 
+def test_loss_budget_charges_every_round_trip_and_holds_compiles(model, drafter, plain):
+    """max_loss (a conservative bandit): "off" is measured first whatever the arms' order; every round trip the
+    bandit decided is in its ledger (plain decoding's seconds + the loss = their seconds, first runs and compile
+    overlaps included); once the budget is spent the engine decodes plain and starts no compile (the same tokens)."""
+    spec = SpecConfig(arms=("eagle:3x2x6", "off"), epsilon=1.0, margin=1.0, time_share=False, threshold=8, min_count=1)
+    free = RolloutEngine(model, drafter=drafter, spec=spec, background_compile=True, **KW)
+    assert free.generate(PROMPTS, GREEDY).stats["chunks"][0].get("waited_for") == "eagle:3x2x6"  # unbounded: first
+    bounded = dataclasses.replace(spec, max_loss=0.05)
+    engine = RolloutEngine(model, drafter=drafter, spec=bounded, background_compile=True, **KW)
+    res = engine.generate(PROMPTS, GREEDY)
+    assert_same(res, plain.generate(PROMPTS, GREEDY))
+    chunks, led = res.stats["chunks"], res.stats["bandit"]["ledger"]
+    assert chunks[0]["choice"] == "off" and "waited_for" not in chunks[0]  # the baseline first
+    assert led["max_loss"] == 0.05 and led["plain_s"] > 0
+    assert led["plain_s"] + led["loss_s"] == pytest.approx(sum(c["seconds"] for c in chunks), rel=1e-9)
+    # a spent budget: "off" known in both buckets, a loss far beyond 5 % of anything decoded
+    held = RolloutEngine(model, drafter=drafter, spec=bounded, background_compile=True, **KW)
+    for bucket in (8, 2):
+        held.bandit.observe("off", bucket, 8, 0.1, steps=1, rows=8 if bucket == 8 else 2, lag=1)
+    held.bandit.charge("off", 8, 8, 1000.0, lag=1, as_plain=False)
+    res = held.generate(PROMPTS, GREEDY)
+    assert_same(res, plain.generate(PROMPTS, GREEDY))
+    assert {c["choice"] for c in res.stats["chunks"]} == {"off"} and not held.pool.compiling
+    assert held.pool.counters()["background_compiles"] == 0 and res.stats["bandit"]["choices"][8]["held"] > 0
+
+
 def test_patience_delays_speculation_and_ngram_arms_need_no_drafter(model, plain):
     spec = SpecConfig(arms=("off", "ngram:3x2x6"), epsilon=0.0, threshold=8, patience=2, min_count=1)
     eng = RolloutEngine(model, spec=spec, pool_max_bytes=10**9, **KW)  # n-gram arms: no drafter object

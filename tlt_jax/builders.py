@@ -254,6 +254,7 @@ def adaptive_spec(cfg, model_config) -> dict:
         patience=r.spec_patience,
         threshold=r.spec_threshold,
         seed=cfg.train.seed,
+        max_loss=r.spec_max_loss or None,
     )
     drafter = None
     if any(a.kind == "eagle" for a in arms):  # an empty drafter_path (drafter.online, config-checked): a fresh one

@@ -51,11 +51,14 @@ class RolloutConfig:
     num_slices: int = 1  # split the mesh's data axis into this many rollout slices (one engine each; see drafter)
     # speculative="adaptive": a bandit per batch bucket picks one of spec_arms (comma-separated: "off" = plain, and
     # "ngram:DxKxN" / "eagle:DxKxN" tree shapes; eagle needs drafter_path) per chunk from measured tokens/s; epsilon:
-    # exploration; window: round trips of its median; patience: chunks under spec_threshold before speculating.
+    # exploration; window: round trips of its median; patience: chunks under spec_threshold before speculating;
+    # max_loss: the most time exploration and background compiles may cost against plain decoding, as a fraction
+    # of plain's time (a conservative bandit; needs the "off" arm; 0 = no bound).
     spec_arms: str = ""  # e.g. "off,ngram:4x2x8,eagle:5x1x6"; the bandit state is checkpointed
     spec_epsilon: float = 0.1
     spec_window: int = 300
     spec_patience: int = 0
+    spec_max_loss: float = 0.05
 
     def validate(self, key: str) -> None:
         self._validate_adaptive(key)
@@ -117,6 +120,16 @@ class RolloutConfig:
         _require(0.0 <= self.spec_epsilon <= 1.0, f"{key}.spec_epsilon", f"must be in [0, 1], got {self.spec_epsilon}")
         _require(self.spec_window >= 1, f"{key}.spec_window", f"must be >= 1, got {self.spec_window}")
         _require(self.spec_patience >= 0, f"{key}.spec_patience", f"must be >= 0, got {self.spec_patience}")
+        _require(
+            0.0 <= self.spec_max_loss <= 1.0,
+            f"{key}.spec_max_loss",
+            f"must be in [0, 1] (a fraction of plain decoding's time; 0 = no bound), got {self.spec_max_loss}",
+        )
+        _require(
+            self.spec_max_loss == 0 or "off" in [str(a) for a in parse_arms(self.spec_arms)],
+            f"{key}.spec_max_loss",
+            "bounds the loss against plain decoding, so spec_arms must include 'off'; add it, or set spec_max_loss=0",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

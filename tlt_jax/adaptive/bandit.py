@@ -27,6 +27,17 @@ speed carries over, absolute speed does not; ``tlt_jax.adaptive.estimates``). Ch
    exploration takes at most about ``epsilon`` of the bucket's *time* even when the explored arm's round trips are
    longer than the best arm's (a verify round trip at a large batch).
 
+With ``max_loss`` the bandit is a *conservative* bandit (after Wu et al., "Conservative Bandits", ICML 2016) with
+plain decoding as the baseline: a ledger (``charge``) holds what every round trip the bandit decided would have taken
+with plain decoding (tokens of the wave's lagging row over "off"'s estimate in the bucket; a quiet "off" round trip
+counts as its own time) and the seconds it took, observed or not: first runs of a step, round trips beside a
+background compile, an EAGLE drafter's catch-up. While the loss (seconds taken minus plain's) is at least
+``max_loss`` times plain's seconds, the bandit explores nothing: arms not yet measured enough and exploration draws
+give way to "off" (counted as ``held``), and the engine starts no compile (``may_spend``); the best estimate is still
+exploited. "off" is measured first in every bucket, as the baseline. Exploration therefore pays for itself, from what
+speculation gained or from ``max_loss`` of the time decoded plainly: the loss exceeds the bound by at most what one
+round trip or one compile costs beyond it.
+
 A clearly losing arm is therefore not explored; it is measured again once fewer than ``min_count`` of its
 observations are left in the bucket's window (about ``min_count / window`` of the bucket's round trips per losing
 arm; with ``min_count=1``, once none is left and no fresh neighbour speaks for it): after the best arm changes (a
@@ -52,6 +63,7 @@ from tlt_jax.adaptive.arms import Arm, parse_arm, parse_arms
 from tlt_jax.adaptive.estimates import Estimate, Windows
 
 STATE_VERSION = 2
+OFF = Arm("off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +74,9 @@ class BanditConfig:
     transfer: estimate arms a bucket has not measured from the nearest bucket that did. time_share: epsilon bounds the
     share of time spent exploring, not of round trips. min_count: measurements of an arm a bucket's window must hold
     before its median decides (fewer: the arm is measured again first; 1 = one measurement suffices; at most
-    window). table: optional {bucket: arms} restricting a batch bucket to a subset of ``arms`` (other buckets use all
-    arms; a bucket with one arm never explores)."""
+    window). max_loss: None, or the most time exploration and compiles may cost against plain decoding, as a
+    fraction of plain's time (a conservative bandit; needs the "off" arm). table: optional {bucket: arms} restricting
+    a batch bucket to a subset of ``arms`` (other buckets use all arms; a bucket with one arm never explores)."""
 
     arms: tuple[Arm, ...]
     epsilon: float = 0.1
@@ -74,6 +87,7 @@ class BanditConfig:
     transfer: bool = True
     time_share: bool = True
     min_count: int = 3
+    max_loss: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "arms", parse_arms(self.arms))
@@ -109,6 +123,17 @@ class BanditConfig:
                 f"BanditConfig.margin must be in [0, 1], got {self.margin!r}: the fraction below the best arm's "
                 "reward within which arms are still explored (e.g. 0.1; 1 explores every arm)"
             )
+        if self.max_loss is not None:
+            if isinstance(self.max_loss, bool) or not 0.0 < float(self.max_loss) <= 1.0:
+                raise ValueError(
+                    f"BanditConfig.max_loss must be None (no bound) or in (0, 1], got {self.max_loss!r}: the most time "
+                    "exploration and compiles may cost against plain decoding, as a fraction of its time (e.g. 0.05)"
+                )
+            if OFF not in self.arms:
+                raise ValueError(
+                    "BanditConfig.max_loss bounds the loss against plain decoding, so arms must include 'off'; "
+                    "add it, or set max_loss=None"
+                )
         for name in ("transfer", "time_share"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BanditConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -150,12 +175,15 @@ class Bandit:
         self._tokens = np.zeros(len(config.arms), np.int64)
         self._seconds = np.zeros(len(config.arms), np.float64)
         self._steps: dict[int, dict[int, int]] = {}
-        # bucket -> counts: untried + explore + exploit = choices; declined (exploration draws that exploited: no
-        # plausible arm, or the time share said no) and transferred (exploited an estimate from another bucket) are
-        # parts of exploit
+        # bucket -> counts: untried + explore + exploit + held = choices (held: the loss budget turned a try or an
+        # exploration into "off" or the best arm); declined (exploration draws that exploited: no plausible arm, or
+        # the time share said no) and transferred (exploited an estimate from another bucket) are parts of exploit
         self._choices: dict[int, dict[str, int]] = {}
         self._best: dict[int, int] = {}
         self._best_changes: dict[int, int] = {}
+        # the ledger (``charge``): plain decoding's seconds for the charged round trips, and their seconds minus that
+        self._plain_s = 0.0
+        self._loss_s = 0.0
 
     # ---- decisions ------------------------------------------------------------------------------------------
 
@@ -173,7 +201,12 @@ class Bandit:
             for k, a in enumerate(arms)
             if (e := est.get(self._index[a])) is None or (not e.transferred and e.count < self.config.min_count)
         ]
-        if short:  # the least measured first, then in the configured order
+        conservative = self.config.max_loss is not None and OFF in arms
+        held = conservative and not self.may_spend()
+        if short:  # the least measured first, then in the configured order (conservative: the baseline first)
+            if conservative and (held or any(a == OFF for *_, a in short)):
+                counts["untried" if any(a == OFF for *_, a in short) else "held"] += 1
+                return OFF
             counts["untried"] += 1
             return min(short)[2]
         best = self._argmax(arms, est)
@@ -187,6 +220,9 @@ class Bandit:
                 ep = est[self._index[pick]]
                 if self.config.time_share and eb.seconds > 0 and ep.seconds > 0:
                     keep = min(1.0, eb.seconds / ep.seconds)
+                if u < self.config.epsilon * keep and held:
+                    counts["held"] += 1
+                    return best
                 if u < self.config.epsilon * keep:
                     counts["explore"] += 1
                     return pick
@@ -234,6 +270,43 @@ class Bandit:
         per = self._steps.setdefault(bucket, {})
         per[i] = per.get(i, 0) + int(steps)
         self._track_best(bucket)
+
+    def charge(
+        self,
+        arm: Arm | str,
+        bucket: int,
+        tokens: int,
+        seconds: float,
+        rows: float = 1.0,
+        lag: float | None = None,
+        as_plain: bool = True,
+    ) -> None:
+        """Enter one round trip the bandit decided in the ledger, whether ``observe`` saw it or not. Plain decoding's
+        seconds for it: its own for an "off" round trip that cost what plain decoding costs anyway (``as_plain``: no
+        compile beside it; a plain step's first run is plain decoding's cost too); otherwise its progress (``lag``,
+        or tokens / rows, as in ``observe``) over "off"'s estimate in the bucket, or its own seconds where the bucket
+        has none yet. ``seconds``: all it took (a drafter's catch-up included)."""
+        arm, bucket = parse_arm(arm), self._bucket(bucket)
+        if not np.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"charge: seconds must be a finite time >= 0, got {seconds}")
+        plain = float(seconds)
+        if not (arm == OFF and as_plain) and OFF in self._index and self._windows.measured(bucket):
+            e = self._estimates(bucket, [OFF]).get(self._index[OFF])
+            if e is not None and e.rate > 0:
+                plain = (float(tokens) / float(rows) if lag is None else float(lag)) / e.rate
+        self._plain_s += plain
+        self._loss_s += float(seconds) - plain
+
+    def headroom(self) -> float:
+        """Seconds exploration may still cost: ``max_loss`` x plain's seconds - the loss so far (inf without
+        max_loss)."""
+        if self.config.max_loss is None:
+            return math.inf
+        return self.config.max_loss * self._plain_s - self._loss_s
+
+    def may_spend(self) -> bool:
+        """Whether exploring, or compiling a step for an arm, fits the loss budget (always without max_loss)."""
+        return self.headroom() > 0
 
     def best(self, bucket: int) -> Arm | None:
         """The arm with the highest median reward measured in the bucket's window (None before any observation)."""
@@ -293,9 +366,9 @@ class Bandit:
     def stats(self) -> dict[str, Any]:
         """steps: {bucket: {arm: steps}}; tokens_per_s: {arm: tokens / seconds over every observation};
         median_reward: {bucket: {arm: window median of a row's tokens/s}}; best: {bucket: arm}; choices:
-        {bucket: {untried, explore, exploit, declined, transferred}}; best_changes: {bucket: times the best arm
-        changed}; transferred: {bucket: {arm: the bucket its estimate comes from}} for arms known there only by
-        transfer. Arms as strings."""
+        {bucket: {untried, explore, exploit, declined, transferred, held}}; best_changes: {bucket: times the best
+        arm changed}; transferred: {bucket: {arm: the bucket its estimate comes from}} for arms known there only by
+        transfer; ledger: {plain_s, loss_s, max_loss} (``charge``). Arms as strings."""
         names = [str(a) for a in self.config.arms]
         buckets = sorted(self._windows.obs)
         transferred = {}
@@ -313,6 +386,7 @@ class Bandit:
             choices={b: dict(c) for b, c in sorted(self._choices.items())},
             best_changes=dict(sorted(self._best_changes.items())),
             transferred=transferred,
+            ledger=dict(plain_s=self._plain_s, loss_s=self._loss_s, max_loss=self.config.max_loss),
         )
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
@@ -342,6 +416,7 @@ class Bandit:
             choices={str(b): dict(c) for b, c in sorted(self._choices.items())},
             best={str(b): names[i] for b, i in sorted(self._best.items())},
             best_changes={str(b): n for b, n in sorted(self._best_changes.items())},
+            ledger=[self._plain_s, self._loss_s],
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -384,6 +459,7 @@ class Bandit:
         self._choices = {int(b): _counts(**{k: int(v) for k, v in c.items()}) for b, c in state["choices"].items()}
         self._best = {int(b): idx[a] for b, a in state["best"].items()}
         self._best_changes = {int(b): int(n) for b, n in state["best_changes"].items()}
+        self._plain_s, self._loss_s = (float(v) for v in state.get("ledger", (0.0, 0.0)))  # none before max_loss
 
     @classmethod
     def from_state_dict(cls, config: BanditConfig, state: Mapping[str, Any]) -> Bandit:
@@ -393,7 +469,7 @@ class Bandit:
 
 
 def _counts(**kw: int) -> dict[str, int]:
-    return dict(dict(untried=0, explore=0, exploit=0, declined=0, transferred=0), **kw)
+    return dict(dict(untried=0, explore=0, exploit=0, declined=0, transferred=0, held=0), **kw)
 
 
 def make_bandit(arms: Iterable[str | Arm] | str, **kwargs) -> Bandit:

@@ -18,14 +18,17 @@ import jax
 import numpy as np
 
 
-def agreed_seconds(seconds: float) -> float:
-    """The maximum of ``seconds`` over all JAX processes (as float32, so every process gets the same bits)."""
+def agreed_seconds(*seconds: float) -> float | tuple[float, ...]:
+    """The maximum of each of ``seconds`` over all JAX processes (as float32, so every process gets the same bits;
+    one collective for all of them, none in one process): a float for one value, else a tuple."""
     if jax.process_count() == 1:
-        return float(seconds)
-    from jax.experimental import multihost_utils
+        out = tuple(float(s) for s in seconds)
+    else:
+        from jax.experimental import multihost_utils
 
-    gathered = multihost_utils.process_allgather(np.asarray(seconds, np.float32))
-    return float(np.max(np.asarray(gathered)))
+        gathered = multihost_utils.process_allgather(np.asarray(seconds, np.float32))
+        out = tuple(float(v) for v in np.asarray(gathered).reshape(-1, len(seconds)).max(axis=0))
+    return out[0] if len(out) == 1 else out
 
 
 def agreed_all(*flags: bool) -> tuple[bool, ...]:

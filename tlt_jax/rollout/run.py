@@ -152,9 +152,13 @@ class GenerateRun:
                 # A speculative step not compiled yet compiles on the pool's worker thread; plain decoding (the
                 # tokens are the same) runs meanwhile. Every process takes the same arm (``agreed_all``).
                 e.pool.collect()
-                ready = not arm.speculative or e.pool.prepare(
-                    step_key(arm, b, length), functools.partial(e.abstract_args, arm, b, length)
-                )
+                key = step_key(arm, b, length)
+                if not arm.speculative:
+                    ready = True
+                elif key in e.pool or (e.bandit is None or e.bandit.may_spend()) and not self._one_at_a_time():
+                    ready = e.pool.prepare(key, functools.partial(e.abstract_args, arm, b, length))
+                else:  # the loss budget is spent (or a compile runs already): plain decoding, no compile
+                    ready = False
                 ready, quiet = agreed_all(ready, not e.pool.compiling)
                 if not ready:
                     arm = OFF
@@ -208,12 +212,23 @@ class GenerateRun:
             self.steps += chunk["steps"]
             # A step's first run is not a measure of it (``first_run``), nor is a round trip that shared the machine
             # with a background compile. Every process feeds the same numbers: tokens are replicated, seconds agreed.
-            if e.bandit is not None and not first and quiet:
+            # Every round trip the bandit decided goes into its loss ledger (``Bandit.charge``), observed or not.
+            if e.bandit is not None and (speculate or (not first and quiet)):
                 rows = chunk.get("row_verifies", tokens) / max(chunk["steps"], 1)  # live rows per step (plain: 1 token)
-                e.bandit.observe(arm, b, tokens, agreed_seconds(dt), chunk["steps"], rows=rows, lag=chunk["lag_tokens"])
+                seen, all_s = agreed_seconds(dt, chunk["seconds"])
+                if not first and quiet:
+                    e.bandit.observe(arm, b, tokens, seen, chunk["steps"], rows=rows, lag=chunk["lag_tokens"])
+                if speculate:  # plain decoding without a compile beside it costs what it would cost anyway
+                    plain = not arm.speculative and quiet
+                    e.bandit.charge(arm, b, tokens, all_s, rows=rows, lag=chunk["lag_tokens"], as_plain=plain)
             self._keep_tokens(info, ngen, slots)
             self.chunks.append(chunk)
         self._harvest(state, slots >= 0, slots, info.num_generated)
+
+    def _one_at_a_time(self) -> bool:
+        """With a loss budget (``max_loss``) one background compile at a time, so its cost is charged before the next
+        starts."""
+        return self.e.bandit is not None and self.e.bandit.config.max_loss is not None and self.e.pool.compiling
 
     def _cache_length(self, committed: np.ndarray, last: np.ndarray, live: np.ndarray, arm: Arm) -> int:
         """The cache-length bucket of ``arm``'s next call: the positions it reads, i.e. each live row's committed
@@ -398,13 +413,19 @@ def _lag_tokens(emitted: np.ndarray, live: np.ndarray, done: np.ndarray, budget_
 
 def arm_share_metrics(stats: dict[str, Any]) -> dict[str, float]:
     """Per-step metrics of an adaptive rollout: ``rollout/arm_share/ARM`` = the share of decode + verify steps that
-    ran ARM (over every batch bucket), and ``rollout/arm_tokens_per_s/ARM``. Empty when the engine is not adaptive."""
+    ran ARM (over every batch bucket), ``rollout/arm_tokens_per_s/ARM``, and ``rollout/spec_loss``: the bandits'
+    ledgers so far (``Bandit.charge``), the seconds the bandit's choices cost beyond plain decoding as a fraction of
+    plain's (negative: a gain). Empty when the engine is not adaptive."""
     if stats.get("bandit") is None:
         return {}
+    ledgers = [b["ledger"] for b in (stats["bandit"] if isinstance(stats["bandit"], list) else [stats["bandit"]])]
     steps: dict[str, int] = collections.Counter()
     for per in stats["arm_steps"].values():
         steps.update(per)
     total = sum(steps.values())
     out = {f"rollout/arm_share/{a}": s / total for a, s in sorted(steps.items()) if total}
     out.update({f"rollout/arm_tokens_per_s/{a}": float(v) for a, v in stats["arm_tokens_per_s"].items()})
+    plain = sum(led["plain_s"] for led in ledgers)
+    if plain > 0:
+        out["rollout/spec_loss"] = sum(led["loss_s"] for led in ledgers) / plain
     return out

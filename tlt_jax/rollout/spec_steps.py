@@ -63,7 +63,9 @@ class SpecConfig:
     ``margin``: exploration only among arms estimated within this fraction of the best; ``transfer``: a bucket
     borrows relative speeds from the nearest bucket for arms it has not measured; ``time_share``: epsilon bounds the
     share of time spent exploring; ``min_count``: measurements of an arm in a bucket before its median decides
-    (``tlt_jax.adaptive.BanditConfig``). Without arms the engine runs the one tree shape above.
+    (``tlt_jax.adaptive.BanditConfig``); ``max_loss``: None, or the most time exploration and background compiles
+    may cost against plain decoding, as a fraction of its time (a conservative bandit: beyond it the bandit explores
+    nothing and no step compiles). Without arms the engine runs the one tree shape above.
 
     coupled: sampled rows draft EAGLE children coupled to the verifier's noise (``speculative.tree.coupled_scores``);
     False drafts the deterministic top-k for every row (the ablation ``benchmarks/speculative.py`` compares against).
@@ -84,6 +86,7 @@ class SpecConfig:
     transfer: bool = True
     time_share: bool = True
     min_count: int = 3
+    max_loss: float | None = None
     coupled: bool = True
 
     def __post_init__(self):
@@ -137,6 +140,7 @@ class SpecConfig:
             transfer=self.transfer,
             time_share=self.time_share,
             min_count=self.min_count,
+            max_loss=self.max_loss,
         )
 
     def engine_arms(self, kind: str | None) -> tuple[Arm, ...]:
