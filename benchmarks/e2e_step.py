@@ -269,6 +269,9 @@ class PairedRollout:
             raise AssertionError(f"paired rollout {len(self.calls)}: the two engines sampled different tokens")
         rec["tokens"] = int(sum(len(c) for comps in results["other"].tokens for c in comps))
         rec["arm_steps"] = results["other"].stats.get("arm_steps")
+        bandit = results["other"].stats.get("bandit")
+        if bandit is not None:  # the bandit's own estimate of its cost against plain decoding, so far
+            rec["ledger"] = bandit.get("ledger")
         self.calls.append(rec)
         return results["other"]
 
