@@ -175,6 +175,7 @@ def test_loss_budget_charges_every_round_trip_and_holds_compiles(model, drafter,
     spec = SpecConfig(arms=("eagle:3x2x6", "off"), epsilon=1.0, margin=1.0, time_share=False, threshold=8, min_count=1)
     free = RolloutEngine(model, drafter=drafter, spec=spec, background_compile=True, **KW)
     assert free.generate(PROMPTS, GREEDY).stats["chunks"][0].get("waited_for") == "eagle:3x2x6"  # unbounded: first
+    free.close()
     bounded = dataclasses.replace(spec, max_loss=0.05)
     engine = RolloutEngine(model, drafter=drafter, spec=bounded, background_compile=True, **KW)
     res = engine.generate(PROMPTS, GREEDY)
@@ -183,6 +184,7 @@ def test_loss_budget_charges_every_round_trip_and_holds_compiles(model, drafter,
     assert chunks[0]["choice"] == "off" and "waited_for" not in chunks[0]  # the baseline first
     assert led["max_loss"] == 0.05 and led["plain_s"] > 0
     assert led["plain_s"] + led["loss_s"] == pytest.approx(sum(c["seconds"] for c in chunks), rel=1e-9)
+    engine.close()
     # a spent budget: "off" known in both buckets, a loss far beyond 5 % of anything decoded
     held = RolloutEngine(model, drafter=drafter, spec=bounded, background_compile=True, **KW)
     for bucket in (8, 2):

@@ -36,7 +36,8 @@ background compile, an EAGLE drafter's catch-up. While the loss (seconds taken m
 give way to "off" (counted as ``held``), and the engine starts no compile (``may_spend``); the best estimate is still
 exploited. "off" is measured first in every bucket, as the baseline. Exploration therefore pays for itself, from what
 speculation gained or from ``max_loss`` of the time decoded plainly: the loss exceeds the bound by at most what one
-round trip or one compile costs beyond it.
+round trip or one compile costs beyond it, unless exploiting the best estimate itself loses (a wrong median; the
+ledger shows it, and the window corrects it).
 
 A clearly losing arm is therefore not explored; it is measured again once fewer than ``min_count`` of its
 observations are left in the bucket's window (about ``min_count / window`` of the bucket's round trips per losing
