@@ -185,6 +185,13 @@ def test_loss_budget_charges_every_round_trip_and_holds_compiles(model, drafter,
     assert led["max_loss"] == 0.05 and led["plain_s"] > 0
     assert led["plain_s"] + led["loss_s"] == pytest.approx(sum(c["seconds"] for c in chunks), rel=1e-9)
     engine.close()
+    # compiled in place (no background_compile), a speculative step's compile is charged too, a plain step's is not
+    inline = RolloutEngine(model, drafter=drafter, spec=bounded, **KW)
+    chunks = inline.generate(PROMPTS, GREEDY).stats["chunks"]
+    led = inline.bandit.stats()["ledger"]
+    spec_compile = sum(c.get("compile_seconds", 0.0) for c in chunks if c["arm"] != "plain")
+    assert spec_compile > 0 and any(c.get("compile_seconds") for c in chunks if c["arm"] == "plain")
+    assert led["plain_s"] + led["loss_s"] == pytest.approx(sum(c["seconds"] for c in chunks) + spec_compile, rel=1e-9)
     # a spent budget: "off" known in both buckets, a loss far beyond 5 % of anything decoded
     held = RolloutEngine(model, drafter=drafter, spec=bounded, background_compile=True, **KW)
     for bucket in (8, 2):

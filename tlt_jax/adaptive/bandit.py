@@ -28,16 +28,16 @@ speed carries over, absolute speed does not; ``tlt_jax.adaptive.estimates``). Ch
    longer than the best arm's (a verify round trip at a large batch).
 
 With ``max_loss`` the bandit is a *conservative* bandit (after Wu et al., "Conservative Bandits", ICML 2016) with
-plain decoding as the baseline: a ledger (``charge``) holds what every round trip the bandit decided would have taken
-with plain decoding (tokens of the wave's lagging row over "off"'s estimate in the bucket; a quiet "off" round trip
-counts as its own time) and the seconds it took, observed or not: first runs of a step, round trips beside a
-background compile, an EAGLE drafter's catch-up. While the loss (seconds taken minus plain's) is at least
-``max_loss`` times plain's seconds, the bandit explores nothing: arms not yet measured enough and exploration draws
-give way to "off" (counted as ``held``), and the engine starts no compile (``may_spend``); the best estimate is still
-exploited. "off" is measured first in every bucket, as the baseline. Exploration therefore pays for itself, from what
-speculation gained or from ``max_loss`` of the time decoded plainly: the loss exceeds the bound by at most what one
-round trip or one compile costs beyond it, unless exploiting the best estimate itself loses (a wrong median; the
-ledger shows it, and the window corrects it).
+plain decoding as the baseline: a ledger (``charge``) holds what every round trip the bandit decided would have
+taken with plain decoding (tokens of the wave's lagging row over "off"'s estimate in the bucket; a quiet "off" round
+trip counts as its own time) and the seconds it took, observed or not: first runs of a step, round trips beside a
+background compile, an EAGLE drafter's catch-up, a speculative step's compile in place. While the loss (seconds
+taken minus plain's) is at least ``max_loss`` times plain's seconds, the bandit explores nothing: arms not yet
+measured enough and exploration draws give way to "off" (counted as ``held``), and the engine starts no compile
+(``may_spend``); the best estimate is still exploited. "off" is measured first in every bucket, as the baseline.
+Exploration therefore pays for itself, from what speculation gained or from ``max_loss`` of the time decoded
+plainly: the loss exceeds the bound by at most what one round trip or one compile costs beyond it, unless exploiting
+the best estimate itself loses (a wrong median; the ledger shows it, and the window corrects it).
 
 A clearly losing arm is therefore not explored; it is measured again once fewer than ``min_count`` of its
 observations are left in the bucket's window (about ``min_count / window`` of the bucket's round trips per losing

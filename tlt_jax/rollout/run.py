@@ -173,7 +173,9 @@ class GenerateRun:
             elif arm.kind == "eagle":
                 args = (*args, self._rounds(self._spec_steps(arm)))
             host_s = time.perf_counter() - t0
+            compiled_s = e.pool.compile_seconds
             exe = e.pool.get(key, *args)
+            compiled_s = e.pool.compile_seconds - compiled_s  # compiled (or waited for) in place
             catchup_s = 0.0
             if arm.kind == "eagle" and e.bandit is not None and not drafter_current:
                 # The drafter's catch-up over the pairs other arms recorded is a cost of switching, not of the arm:
@@ -194,6 +196,8 @@ class GenerateRun:
                 batch=b, active=n_live, length=length, arm=key.arm, choice=str(arm), seconds=dt + catchup_s,
                 tokens=tokens, first_run=first, lag_tokens=_lag_tokens(emitted, live, info.done, maxnew_row - ngen),
             )
+            if compiled_s > 0:
+                chunk["compile_seconds"] = compiled_s  # not in its seconds
             if wanted != arm:
                 chunk["waited_for"] = str(wanted)  # the bandit's choice, compiling in the background
             if not quiet:
@@ -212,10 +216,11 @@ class GenerateRun:
             self.steps += chunk["steps"]
             # A step's first run is not a measure of it (``first_run``), nor is a round trip that shared the machine
             # with a background compile. Every process feeds the same numbers: tokens are replicated, seconds agreed.
-            # Every round trip the bandit decided goes into its loss ledger (``Bandit.charge``), observed or not.
+            # Every round trip the bandit decided goes into its loss ledger (``Bandit.charge``), observed or not,
+            # with a speculative step's compile in place (plain decoding compiles its own steps too).
             if e.bandit is not None and (speculate or (not first and quiet)):
                 rows = chunk.get("row_verifies", tokens) / max(chunk["steps"], 1)  # live rows per step (plain: 1 token)
-                seen, all_s = agreed_seconds(dt, chunk["seconds"])
+                seen, all_s = agreed_seconds(dt, chunk["seconds"] + (compiled_s if arm.speculative else 0.0))
                 if not first and quiet:
                     e.bandit.observe(arm, b, tokens, seen, chunk["steps"], rows=rows, lag=chunk["lag_tokens"])
                 if speculate:  # plain decoding without a compile beside it costs what it would cost anyway
