@@ -27,6 +27,14 @@ speed carries over, absolute speed does not; ``tlt_jax.adaptive.estimates``). Ch
    exploration takes at most about ``epsilon`` of the bucket's *time* even when the explored arm's round trips are
    longer than the best arm's (a verify round trip at a large batch).
 
+A clearly losing arm is therefore not explored; it is measured again once fewer than ``min_count`` of its
+observations are left in the bucket's window (about ``min_count / window`` of the bucket's round trips per losing
+arm; with ``min_count=1``, once none is left and no fresh neighbour speaks for it): after the best arm changes (a
+drafter that improved, a different temperature) every stale estimate is gone within about ``window`` observations.
+Randomness comes from a seeded PCG64 generator drawn only at step 2, so the decisions are a function of the seed and
+the reported numbers; in several processes every process must report the same numbers
+(``tlt_jax.adaptive.sync.agreed_seconds``).
+
 With ``max_loss`` the bandit is a *conservative* bandit (after Wu et al., "Conservative Bandits", ICML 2016) with
 plain decoding as the baseline: a ledger (``charge``) holds what every round trip the bandit decided would have
 taken with plain decoding (tokens of the wave's lagging row over "off"'s estimate in the bucket; a quiet "off" round
@@ -39,16 +47,8 @@ Exploration therefore pays for itself, from what speculation gained or from ``ma
 plainly: the loss exceeds the bound by at most what one round trip or one compile costs beyond it, unless exploiting
 the best estimate itself loses (a wrong median; the ledger shows it, and the window corrects it).
 
-A clearly losing arm is therefore not explored; it is measured again once fewer than ``min_count`` of its
-observations are left in the bucket's window (about ``min_count / window`` of the bucket's round trips per losing
-arm; with ``min_count=1``, once none is left and no fresh neighbour speaks for it): after the best arm changes (a
-drafter that improved, a different temperature) every stale estimate is gone within about ``window`` observations.
-Randomness comes from a seeded PCG64 generator drawn only at step 2, so the decisions are a function of the seed and
-the reported numbers; in several processes every process must report the same numbers
-(``tlt_jax.adaptive.sync.agreed_seconds``).
-
-The state (observations, generator, counters) round-trips through ``state_dict`` / ``load_state_dict`` as JSON values,
-so it lives in checkpoints and carries across generate calls.
+The state (observations, generator, counters, ledger) round-trips through ``state_dict`` / ``load_state_dict`` as
+JSON values, so it lives in checkpoints and carries across generate calls.
 """
 
 from __future__ import annotations
