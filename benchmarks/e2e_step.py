@@ -18,12 +18,13 @@ mode N times, alternating the order (A B, B A, ...), and reports each mode's rat
 next to each other) and from each step's fastest rollout over the repeats (every repeat decodes the same tokens).
 
 ``--paired MODE`` runs one training run instead, in which every rollout is decoded twice, back to back, on the same
-policy weights, prompts and seed: once by an "off" engine and once by MODE's engine (off / ngram / static /
-adaptive), alternating which goes first. It checks that both sampled the same tokens, trains on MODE's result, and
-compares the two rollouts' seconds step by step, so a drift of the machine's speed over minutes cancels. Background
-compiles and parameter updates still pending when the next timed rollout starts are waited for first, outside both
-timings, and reported ("drain"); checkpoints are written synchronously (an asynchronous write would overlap the next
-step's first rollout, always the same engine's at a given step).
+policy weights, prompts and seed: once by an "off" engine and once by MODE's engine (off / ngram / static / adaptive /
+tlt; with tlt the "off" engine pairs with the controlled rollout's one slice, and the drafter's training after each
+rollout stays outside both timings), alternating which goes first. It checks that both sampled the same tokens, trains
+on MODE's result, and compares the two rollouts' seconds step by step, so a drift of the machine's speed over minutes
+cancels. Background compiles and parameter updates still pending when the next timed rollout starts are waited for
+first, outside both timings, and reported ("drain"); checkpoints are written synchronously (an asynchronous write
+would overlap the next step's first rollout, always the same engine's at a given step).
 
     python benchmarks/e2e_step.py --configs gsm8k --modes off,static,tlt --steps 6   # the default run's table
     python benchmarks/e2e_step.py --configs gsm8k --modes off,adaptive --steps 8 --repeats 3
@@ -255,7 +256,8 @@ class PairedRollout:
                 jax.block_until_ready((engine.params, engine.drafter_params))  # updates still in flight
             rec[f"{name}_drain_s"] = time.perf_counter() - t
             t, ru = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-            results[name] = getattr(self, name).generate(prompts, params, **kwargs)
+            own = kwargs if name == "other" else {k: v for k, v in kwargs.items() if k != "on_chunk"}  # its callback
+            results[name] = getattr(self, name).generate(prompts, params, **own)
             rec[f"{name}_s"] = time.perf_counter() - t
             ru2 = resource.getrusage(resource.RUSAGE_SELF)  # page faults and CPU seconds of the whole process
             rec[f"{name}_minflt"] = ru2.ru_minflt - ru.ru_minflt
@@ -276,13 +278,27 @@ class PairedRollout:
         return results["other"]
 
 
+class PairedSlice(PairedRollout):
+    """``PairedRollout`` standing in for the one slice engine of a controlled rollout (``tlt``: the drafter trains
+    online): every attribute but generate / set_params / close is the mode engine's (its params, drafter, pool)."""
+
+    @property
+    def params(self):
+        return self.other.params
+
+    def __getattr__(self, name):
+        if name in ("base", "other"):  # not set yet (copying, unpickling)
+            raise AttributeError(name)
+        return getattr(self.other, name)
+
+
 def bench_paired(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, drafter: str = SHIPPED,
                  static_tree: str = "5x1x6", extra: dict | None = None, chunks: bool = False) -> dict:
     """One training run of ``mode`` whose every rollout is also decoded by an "off" engine (``PairedRollout``)."""
     import tlt_jax.main as main_mod
 
-    if mode not in ("off", "ngram", "static", "adaptive"):
-        raise ValueError(f"--paired takes off, ngram, static or adaptive (one engine per mode), got {mode!r}")
+    if mode not in ("off", "ngram", "static", "adaptive", "tlt"):
+        raise ValueError(f"--paired takes off, ngram, static, adaptive or tlt, got {mode!r}")
     # checkpoints are written synchronously here: an asynchronous write would run beside the next step's first
     # rollout, and the alternation puts a given step's first rollout always on the same engine
     common = {**OVERRIDES.get(name, {}), "train.num_steps": steps, "metrics.progress_bars": False,
@@ -294,8 +310,15 @@ def bench_paired(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, dr
 
     def build_both(cfg_, model, mesh, data, workdir=None):
         engines = build(cfg_off, model, mesh, data), build(cfg_, model, mesh, data, workdir)
+        slices = getattr(getattr(engines[1], "rollout", None), "engines", None)
+        if slices is not None and len(slices) == 1 and hasattr(engines[0], "pool"):
+            # a controlled rollout (tlt: the drafter trains online): the "off" engine pairs with its one slice
+            paired.append(PairedSlice(engines[0], slices[0], chunks=chunks))
+            slices[0] = paired[-1]
+            return engines[1]
         if not all(hasattr(e, "pool") for e in engines):
-            raise ValueError("--paired compares two RolloutEngines; this config builds a sliced or controlled rollout")
+            raise ValueError("--paired compares two RolloutEngines (or a one-slice controlled rollout); "
+                             "this config builds more slices")
         paired.append(PairedRollout(*engines, chunks=chunks))
         return paired[-1]
 
