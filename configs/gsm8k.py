@@ -47,13 +47,13 @@ whose speed drifts by tens of percent):
   of the loss in round trips beside background compiles; the first paired runs' 1.03x and 1.01x were biased by an
   asynchronous checkpoint write beside the "off" engine's rollouts of steps 5 and 9 (0.95x without those steps)
   (benchmarks/README.md, "Adaptive vs off on the default run, paired, without the checkpoint bias"); with the loss
-  budget, 0.94x over 33 paired steps of three runs with the drafter frozen (0.90x-0.98x; runs 0.87x, 0.97x,
-  0.99x) and 1.03x in one run of this config as it is (drafter trained online; 0.96x over all 44 steps, 0.92x-1.00x),
-  the adaptive engine decoding plainly on 96-99 % of its steps once steps 1-2's EAGLE tries and compiles had spent
-  the budget ("..., paired, with a loss budget"). The README's command with the budget (2026-11-27, fresh clone,
-  8 min 17 s including the install): held-out accuracy 0.375, 0.625, 0.688, 0.656; EAGLE arms on 6-100 % of each step's
-  decode steps, and the bandit's ledger reporting 23-34 % of plain's estimated decode seconds saved from step 2 on
-  (``rollout/spec_loss``; an estimate, not a paired measurement: in the paired run of this config the first steps
+  budget, 0.94x over 33 paired steps of three runs with the drafter frozen (0.90x-0.98x; runs 0.87x, 0.97x, 0.99x) and
+  1.03x and 0.84x in two runs of this config as it is (drafter trained online); 0.93x over all 55 steps (0.90x-0.98x),
+  the adaptive engine decoding plainly on 96-99 % of its steps once steps 1-2's EAGLE tries and compiles had spent the
+  budget ("..., paired, with a loss budget"). The README's command with the budget (2026-11-27, fresh clone, 8 min 17
+  s including the install): held-out accuracy 0.375, 0.625, 0.688, 0.656; EAGLE arms on 6-100 % of each step's decode
+  steps, and the bandit's ledger reporting 23-34 % of plain's estimated decode seconds saved from step 2 on
+  (``rollout/spec_loss``; an estimate, not a paired measurement: in the paired runs of this config the first steps
   measured a loss instead and the bandit held to plain decoding).
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
