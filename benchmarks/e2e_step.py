@@ -388,16 +388,16 @@ def summarise_paired(steady: list[dict]) -> dict:
 
 
 def combine_paired(paths: list[str], skip_steps: tuple[int, ...] = ()) -> dict:
-    """Pool the steady paired steps of several ``--paired`` result files (same config and mode) into one summary,
-    leaving out the steps numbered in ``skip_steps`` (1-based, in every file)."""
+    """Pool the steady paired steps of several ``--paired`` result files (same config; different modes are pooled
+    too, and the summary's mode names them all, e.g. "adaptive+tlt") into one summary, leaving out the steps
+    numbered in ``skip_steps`` (1-based, in every file)."""
     runs = [json.loads(Path(p).read_text())["configs"] for p in paths]
     out = {}
     for name in runs[0]:
         res = [r[name]["paired"] for r in runs]
-        if len({r["mode"] for r in res}) != 1:
-            raise ValueError(f"{name}: the files hold different modes {[r['mode'] for r in res]}")
+        mode = "+".join(dict.fromkeys(r["mode"] for r in res))
         steady = [c for r in res for i, c in enumerate(r["per_step"][1:], 2) if i not in skip_steps]
-        out[name] = {"mode": res[0]["mode"], "files": paths, "skipped_steps": list(skip_steps),
+        out[name] = {"mode": mode, "files": paths, "skipped_steps": list(skip_steps),
                      **summarise_paired(steady)}
     return out
 

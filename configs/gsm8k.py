@@ -48,7 +48,7 @@ whose speed drifts by tens of percent):
   asynchronous checkpoint write beside the "off" engine's rollouts of steps 5 and 9 (0.95x without those steps)
   (benchmarks/README.md, "Adaptive vs off on the default run, paired, without the checkpoint bias"); with the loss
   budget, 0.94x over 33 paired steps of three runs with the drafter frozen (0.90x-0.98x; runs 0.87x, 0.97x, 0.99x) and
-  1.03x and 0.84x in two runs of this config as it is (drafter trained online); 0.93x over all 55 steps (0.90x-0.98x),
+  1.03x and 0.84x in two runs of this config as it is (drafter trained online); 0.93x over all 55 steps (0.89x-0.98x),
   the adaptive engine decoding plainly on 96-99 % of its steps once steps 1-2's EAGLE tries and compiles had spent the
   budget ("..., paired, with a loss budget"). The README's command with the budget (2026-11-27, fresh clone, 8 min 17
   s including the install): held-out accuracy 0.375, 0.625, 0.688, 0.656; EAGLE arms on 6-100 % of each step's decode
