@@ -254,7 +254,9 @@ class PairedRollout:
             for engine in (self.base, self.other):  # work left from before finishes outside the timings:
                 engine.pool.collect(wait=True)  # background compiles,
                 jax.block_until_ready((engine.params, engine.drafter_params))  # updates still in flight
+            jax.block_until_ready(jax.live_arrays())  # and any other computation still running
             rec[f"{name}_drain_s"] = time.perf_counter() - t
+            threads = thread_cpu_seconds()
             t, ru = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             own = kwargs if name == "other" else {k: v for k, v in kwargs.items() if k != "on_chunk"}  # its callback
             results[name] = getattr(self, name).generate(prompts, params, **own)
@@ -262,6 +264,9 @@ class PairedRollout:
             ru2 = resource.getrusage(resource.RUSAGE_SELF)  # page faults and CPU seconds of the whole process
             rec[f"{name}_minflt"] = ru2.ru_minflt - ru.ru_minflt
             rec[f"{name}_cpu_s"] = ru2.ru_utime + ru2.ru_stime - ru.ru_utime - ru.ru_stime
+            after = thread_cpu_seconds()  # which threads spent them
+            rec[f"{name}_thread_cpu_s"] = {k: round(v - threads.get(k, 0.0), 3) for k, v in after.items()
+                                           if v - threads.get(k, 0.0) >= 0.005}
             st = results[name].stats
             rec[f"{name}_compile_s"] = float(st.get("compile_seconds_this_call", 0.0))
             rec[f"{name}_background_compile_s"] = float(st.get("background_compile_seconds_this_call", 0.0))
@@ -276,6 +281,32 @@ class PairedRollout:
             rec["ledger"] = bandit.get("ledger")
         self.calls.append(rec)
         return results["other"]
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds of this process's threads so far (Linux), summed by kind: a Python thread by its name, XLA's
+    execution pool ("tf_XLAEigen"), other named native threads by name, unnamed native threads (XLA's compile threads
+    among them) as "native"."""
+    import threading
+
+    task = "/proc/self/task"
+    if not os.path.isdir(task):
+        return {}
+    python = {t.native_id: t.name for t in threading.enumerate()}
+    with open("/proc/self/comm") as f:
+        process_name = f.read().strip()
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for tid in map(int, os.listdir(task)):
+        try:
+            with open(f"{task}/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"{task}/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kind = python.get(tid) or ("native" if name == process_name else name.rstrip("0123456789-_"))
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 class PairedSlice(PairedRollout):

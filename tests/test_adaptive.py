@@ -177,7 +177,7 @@ def test_transfer_between_buckets():
     run(b, lambda t: {8: b8}, 10)
     first = b.choose(4)
     assert str(first) == "eagle:4x2x12" and b.stats()["choices"][4] == dict(
-        untried=0, explore=0, exploit=1, declined=0, transferred=1, held=0
+        untried=0, explore=0, exploit=1, declined=0, transferred=1, held=0, safe=0
     )
     est = b.estimates(4)
     assert {str(a): e.source for a, e in est.items()} == {a: 8 for a in ARMS}  # the empty bucket takes 8's medians
@@ -305,7 +305,7 @@ def test_one_slow_measurement_does_not_rule_an_arm_out():
     assert 140 < three.medians(8)[parse_arm("off")] < 160
     # a transferred estimate stands in for measurements: bucket 4 exploits what bucket 8 measured, unmeasured
     assert str(three.choose(4)) == "off" and three.stats()["choices"][4] == dict(
-        untried=0, explore=0, exploit=1, declined=0, transferred=1, held=0
+        untried=0, explore=0, exploit=1, declined=0, transferred=1, held=0, safe=0
     )
     assert SpecConfig(arms=ARMS, min_count=2).bandit_config().min_count == 2
     assert BanditConfig(parse_arms(ARMS), window=2).min_count == 2  # a window of 2 holds at most 2 measurements
@@ -351,7 +351,8 @@ def test_loss_budget_bounds_what_exploration_costs():
     assert led["max_loss"] == 0.05 and led["plain_s"] == pytest.approx(plain, rel=0.05)
     assert led["plain_s"] + led["loss_s"] == pytest.approx(taken, rel=1e-9)
     assert c["held"] > 0 and set(chosen[8]) == set(ARMS)  # every arm tried, as the budget allowed
-    assert sum(c.values()) - c["declined"] - c["transferred"] == 400  # untried + explore + exploit + held
+    assert c["safe"] == 0  # no slow arm is let through a spent budget
+    assert sum(c.values()) - c["declined"] - c["transferred"] - c["safe"] == 400  # untried + explore + exploit + held
 
 
 def test_loss_budget_still_finds_a_faster_arm_and_holds_after_a_loss():
@@ -383,6 +384,45 @@ def test_loss_budget_still_finds_a_faster_arm_and_holds_after_a_loss():
     d = make_bandit(ARMS, max_loss=0.05)
     d.charge("eagle:4x2x12", 2, 64, 0.5, lag=64, as_plain=False)
     assert d.stats()["ledger"] == dict(plain_s=0.5, loss_s=0.0, max_loss=0.05)
+
+
+def test_spent_budget_lets_through_only_tries_expected_to_gain():
+    """With the budget spent, an arm measured once at twice plain's speed is measured again until its median decides
+    (``safe``: even a pessimistic reading of one round trip beats "off"), then exploited; an arm slower than plain
+    is held, tried or explored. Before the noise is known nothing is let through."""
+    noise = np.random.default_rng(1)
+
+    def observe(bandit, arm, rate):  # one round trip of 64 tokens at ``rate`` tokens/s, 10 % log-normal noise
+        bandit.observe(arm, 1, 64, 64 / rate * float(np.exp(noise.normal(0, 0.1))), lag=64)
+
+    b = make_bandit(ARMS, epsilon=0.0, window=300, seed=0, max_loss=0.05, min_count=3)
+    for _ in range(20):
+        observe(b, "off", 100.0)
+    observe(b, "eagle:4x2x12", 200.0)
+    observe(b, "eagle:8x4x48", 85.0)
+    b.charge("off", 1, 64, 1000.0, lag=64, as_plain=False)  # the budget is spent
+    assert not b.may_spend()
+    picks = [str(b.choose(1)) for _ in range(2)]
+    assert picks == ["eagle:4x2x12"] * 2 and b.stats()["choices"][1]["safe"] == 2
+    for _ in range(2):
+        observe(b, "eagle:4x2x12", 200.0)
+    # the fast arm's median now decides; the slow arm is still under-measured, and held
+    held = b.stats()["choices"][1]["held"]
+    assert str(b.choose(1)) == "off" and b.stats()["choices"][1]["held"] == held + 1
+    # every arm measured enough: the fast one is exploited, and exploring the other is held
+    for _ in range(2):
+        observe(b, "eagle:8x4x48", 85.0)
+    e = make_bandit(ARMS, epsilon=1.0, margin=1.0, window=300, seed=0, max_loss=0.05, min_count=3)
+    e.load_state_dict(b.state_dict())
+    picks = [str(e.choose(1)) for _ in range(50)]
+    assert picks == ["eagle:4x2x12"] * 50 and e.stats()["choices"][1]["explore"] == 0
+    # no noise estimate yet (no spread in the observations): no try is let through
+    d = make_bandit(ARMS, epsilon=0.0, max_loss=0.05, min_count=3)
+    for _ in range(3):
+        d.observe("off", 1, 64, 64 / 100.0, lag=64)
+    d.observe("eagle:4x2x12", 1, 64, 64 / 200.0, lag=64)
+    d.charge("off", 1, 64, 1000.0, lag=64, as_plain=False)
+    assert str(d.choose(1)) == "off" and d.stats()["choices"][1]["held"] == 1
 
 
 def test_reproducible_given_the_timings():

@@ -40,12 +40,15 @@ plain decoding as the baseline: a ledger (``charge``) holds what every round tri
 taken with plain decoding (tokens of the wave's lagging row over "off"'s estimate in the bucket; a quiet "off" round
 trip counts as its own time) and the seconds it took, observed or not: first runs of a step, round trips beside a
 background compile, an EAGLE drafter's catch-up, a speculative step's compile in place. While the loss (seconds
-taken minus plain's) is at least ``max_loss`` times plain's seconds, the bandit explores nothing: arms not yet
-measured enough and exploration draws give way to "off" (counted as ``held``), and the engine starts no compile
-(``may_spend``); the best estimate is still exploited. "off" is measured first in every bucket, as the baseline.
+taken minus plain's) is at least ``max_loss`` times plain's seconds, the bandit explores nothing that may lose:
+arms not yet measured enough and exploration draws give way to "off" (counted as ``held``), and the engine starts no
+compile (``may_spend``); the best estimate is still exploited, and so is a try expected to gain even read
+pessimistically (an arm's own median above "off"'s by more than the noise of so few observations allows; counted as
+``safe``): an arm measured once at twice plain's speed is measured again and, if it holds, exploited. "off" is
+measured first in every bucket, as the baseline.
 Exploration therefore pays for itself, from what speculation gained or from ``max_loss`` of the time decoded
 plainly: the loss exceeds the bound by at most what one round trip or one compile costs beyond it, unless exploiting
-the best estimate itself loses (a wrong median; the ledger shows it, and the window corrects it).
+the best estimate or a safe try itself loses (a wrong median; the ledger shows it, and the window corrects it).
 
 The state (observations, generator, counters, ledger) round-trips through ``state_dict`` / ``load_state_dict`` as
 JSON values, so it lives in checkpoints and carries across generate calls.
@@ -178,7 +181,8 @@ class Bandit:
         self._steps: dict[int, dict[int, int]] = {}
         # bucket -> counts: untried + explore + exploit + held = choices (held: the loss budget turned a try or an
         # exploration into "off" or the best arm); declined (exploration draws that exploited: no plausible arm, or
-        # the time share said no) and transferred (exploited an estimate from another bucket) are parts of exploit
+        # the time share said no) and transferred (exploited an estimate from another bucket) are parts of exploit;
+        # safe (tries and explorations a spent budget let through, ``_safe``) is part of untried + explore
         self._choices: dict[int, dict[str, int]] = {}
         self._best: dict[int, int] = {}
         self._best_changes: dict[int, int] = {}
@@ -205,9 +209,15 @@ class Bandit:
         conservative = self.config.max_loss is not None and OFF in arms
         held = conservative and not self.may_spend()
         if short:  # the least measured first, then in the configured order (conservative: the baseline first)
-            if conservative and (held or any(a == OFF for *_, a in short)):
-                counts["untried" if any(a == OFF for *_, a in short) else "held"] += 1
+            if conservative and any(a == OFF for *_, a in short):
+                counts["untried"] += 1
                 return OFF
+            if held:  # only tries expected to gain (``_safe``) go on
+                short = [s for s in short if self._safe(est.get(self._index[s[2]]), est.get(self._index[OFF]))]
+                if not short:
+                    counts["held"] += 1
+                    return OFF
+                counts["safe"] += 1
             counts["untried"] += 1
             return min(short)[2]
         best = self._argmax(arms, est)
@@ -221,11 +231,12 @@ class Bandit:
                 ep = est[self._index[pick]]
                 if self.config.time_share and eb.seconds > 0 and ep.seconds > 0:
                     keep = min(1.0, eb.seconds / ep.seconds)
-                if u < self.config.epsilon * keep and held:
+                if u < self.config.epsilon * keep and held and not self._safe(ep, est.get(self._index[OFF])):
                     counts["held"] += 1
                     return best
                 if u < self.config.epsilon * keep:
                     counts["explore"] += 1
+                    counts["safe"] += int(held)
                     return pick
             counts["declined"] += 1
         counts["exploit"] += 1
@@ -344,6 +355,18 @@ class Bandit:
         slack += self.NOISE_Z * self._windows.noise() * math.sqrt(1.0 / max(e.count, 1) + 1.0 / max(best.count, 1))
         return math.log(best.rate / e.rate) <= slack
 
+    def _safe(self, e: Estimate | None, off: Estimate | None) -> bool:
+        """Whether a try of an arm is expected to gain against plain decoding even read pessimistically: its own
+        median in the bucket beats "off"'s by more than NOISE_Z standard errors (ln(e / off) > NOISE_Z * noise *
+        sqrt(1/n_e + 1/n_off)). Such a try needs no loss budget, so a spent budget does not hold it (``safe``);
+        transferred estimates, and any estimate before the noise is known, never qualify."""
+        if e is None or off is None or e.transferred or off.transferred or min(e.rate, off.rate) <= 0:
+            return False
+        noise = self._windows.noise()
+        if noise <= 0:
+            return False
+        return math.log(e.rate / off.rate) > self.NOISE_Z * noise * math.sqrt(1.0 / e.count + 1.0 / off.count)
+
     def _argmax(self, arms: Sequence[Arm], est: Mapping[int, Estimate]) -> Arm:
         return max(arms, key=lambda a: (est[self._index[a]].rate, -self._index[a]))
 
@@ -367,7 +390,7 @@ class Bandit:
     def stats(self) -> dict[str, Any]:
         """steps: {bucket: {arm: steps}}; tokens_per_s: {arm: tokens / seconds over every observation};
         median_reward: {bucket: {arm: window median of a row's tokens/s}}; best: {bucket: arm}; choices:
-        {bucket: {untried, explore, exploit, declined, transferred, held}}; best_changes: {bucket: times the best
+        {bucket: {untried, explore, exploit, declined, transferred, held, safe}}; best_changes: {bucket: times the best
         arm changed}; transferred: {bucket: {arm: the bucket its estimate comes from}} for arms known there only by
         transfer; ledger: {plain_s, loss_s, max_loss} (``charge``). Arms as strings."""
         names = [str(a) for a in self.config.arms]
@@ -470,7 +493,7 @@ class Bandit:
 
 
 def _counts(**kw: int) -> dict[str, int]:
-    return dict(dict(untried=0, explore=0, exploit=0, declined=0, transferred=0, held=0), **kw)
+    return dict(dict(untried=0, explore=0, exploit=0, declined=0, transferred=0, held=0, safe=0), **kw)
 
 
 def make_bandit(arms: Iterable[str | Arm] | str, **kwargs) -> Bandit:

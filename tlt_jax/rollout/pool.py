@@ -30,16 +30,51 @@ import jax
 Builder = Callable[["StepKey"], Callable]
 
 # The worker thread's nice value (Linux), since on a CPU backend a background compile and the caller's decoding share
-# the cores. It covers the work done on the worker thread itself (tracing, lowering, small programs:
-# benchmarks/trace_contention.py); XLA compiles a large program mostly on threads of its own, created with the client
-# at the priority of the thread that first used JAX (docs/architecture.md §4.5).
+# the cores. The worker traces and lowers; XLA compiles a large program mostly on threads of its own (created at the
+# priority of the thread that first compiled), which ``lower_compile_threads`` nices too (docs/architecture.md §4.5).
 BACKGROUND_NICE = 19
+
+# XLA:CPU runs programs on its "tf_XLAEigen" pool and the calling thread. Its compile threads are unnamed (they keep
+# the process's name) or LLVM's "llvm-worker-N"; Python's own threads are unnamed too, and are left alone.
+_COMPILE_THREAD_PREFIXES = ("llvm-worker",)
 
 
 def lower_thread_priority() -> None:
     """Run the calling thread at BACKGROUND_NICE (Linux only: there a thread id takes a nice value of its own)."""
     if sys.platform == "linux":
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+def lower_compile_threads() -> int:
+    """Run XLA's compile threads at BACKGROUND_NICE (Linux, CPU backend): the threads of this process that are not
+    Python threads and are unnamed (named as the process) or LLVM workers; XLA's execution threads ("tf_XLAEigen")
+    and every Python thread keep their priority. A compile in place then runs at that priority too, which costs
+    nothing while the caller waits for it. Returns how many threads were lowered now."""
+    if sys.platform != "linux" or jax.default_backend() != "cpu":
+        return 0
+    task = "/proc/self/task"
+    python = {t.native_id for t in threading.enumerate()}
+    try:
+        with open("/proc/self/comm") as f:
+            process_name = f.read().strip()
+        tids = [int(t) for t in os.listdir(task)]
+    except OSError:
+        return 0
+    lowered = 0
+    for tid in tids:
+        if tid in python:
+            continue
+        try:
+            with open(f"{task}/{tid}/comm") as f:
+                name = f.read().strip()
+            if (name == process_name or name.startswith(_COMPILE_THREAD_PREFIXES)) and (
+                os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE
+            ):
+                os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+                lowered += 1
+        except OSError:  # the thread ended meanwhile
+            continue
+    return lowered
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -153,13 +188,16 @@ class StepPool:
         exe, seconds = self._build(key, abstract(abstract_args))
         return self._install(key, exe, seconds)
 
-    def _build(self, key: StepKey, abstract_args: tuple) -> tuple[Any, float]:
+    def _build(self, key: StepKey, abstract_args: tuple, background: bool = False) -> tuple[Any, float]:
         """(executable, seconds): lowering and compiling only, no pool state (it runs on the worker thread too)."""
         builder = self._builders.get((key.phase, key.arm))
         if builder is None:
             raise KeyError(f"no step builder registered for phase {key.phase!r}, arm {key.arm!r}")
         t0 = time.perf_counter()
-        exe = builder(key).lower(*abstract_args).compile(compiler_options=self.compiler_options or None)
+        lowered = builder(key).lower(*abstract_args)
+        if background:
+            lower_compile_threads()  # XLA creates its compile threads lazily: lowered before each background compile
+        exe = lowered.compile(compiler_options=self.compiler_options or None)
         return exe, time.perf_counter() - t0
 
     def _install(self, key: StepKey, exe: Any, seconds: float, background: bool = False) -> Any:
@@ -197,7 +235,7 @@ class StepPool:
                 self._worker = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="step-compile", initializer=lower_thread_priority
                 )
-            self._pending[key] = self._worker.submit(self._build, key, abstract(make_args()))
+            self._pending[key] = self._worker.submit(self._build, key, abstract(make_args()), True)
         return False
 
     def collect(self, wait: bool = False) -> None:
