@@ -284,27 +284,17 @@ class PairedRollout:
 
 
 def thread_cpu_seconds() -> dict[str, float]:
-    """CPU seconds of this process's threads so far (Linux), summed by kind: a Python thread by its name, XLA's
-    execution pool ("tf_XLAEigen"), other named native threads by name, unnamed native threads (XLA's compile threads
-    among them) as "native"."""
-    import threading
+    """CPU seconds of this process's threads so far (Linux), summed by ``thread_kinds`` (a Python thread by its name,
+    XLA's compile threads as "compile", its execution pool as "tf_XLAEigen", ...)."""
+    from tlt_jax.rollout.pool import thread_kinds
 
-    task = "/proc/self/task"
-    if not os.path.isdir(task):
-        return {}
-    python = {t.native_id: t.name for t in threading.enumerate()}
-    with open("/proc/self/comm") as f:
-        process_name = f.read().strip()
     tick, out = os.sysconf("SC_CLK_TCK"), {}
-    for tid in map(int, os.listdir(task)):
+    for tid, kind in thread_kinds().items():
         try:
-            with open(f"{task}/{tid}/comm") as f:
-                name = f.read().strip()
-            with open(f"{task}/{tid}/stat") as f:
+            with open(f"/proc/self/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+        except OSError:  # the thread ended meanwhile
             continue
-        kind = python.get(tid) or ("native" if name == process_name else name.rstrip("0123456789-_"))
         out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 

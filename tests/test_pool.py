@@ -9,7 +9,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tlt_jax.rollout.pool import BACKGROUND_NICE, StepKey, StepPool, executable_bytes, lower_compile_threads
+from tlt_jax.rollout.pool import (
+    BACKGROUND_NICE,
+    COMPILE,
+    StepKey,
+    StepPool,
+    executable_bytes,
+    lower_compile_threads,
+    thread_kinds,
+)
 
 
 def scripted(sizes):
@@ -168,30 +176,6 @@ def test_precompile_every_reachable_arm_and_bucket_of_an_engine():
     assert res.stats["pool_this_call"]["compiles"] == 1
 
 
-def _thread_nice() -> dict[tuple[str, int], int]:
-    """{(kind, thread id): nice} of this process's threads (Linux): kind "python" (a Python thread), "compile" (what
-    ``lower_compile_threads`` lowers: unnamed non-Python threads and LLVM workers) or the thread's own name."""
-    import threading
-
-    python = {t.native_id for t in threading.enumerate()}
-    with open("/proc/self/comm") as f:
-        process_name = f.read().strip()
-    out = {}
-    for tid in map(int, os.listdir("/proc/self/task")):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-            nice = os.getpriority(os.PRIO_PROCESS, tid)
-        except OSError:
-            continue
-        if tid in python:
-            name = "python"
-        elif name == process_name or name.startswith("llvm-worker"):
-            name = "compile"
-        out[(name, tid)] = nice
-    return out
-
-
 def test_background_compile_enters_the_pool_on_the_callers_thread():
     """``prepare`` starts a compile on the worker thread and says "not ready"; the pool changes only when the caller
     collects it (or asks ``get`` for it, which waits instead of compiling twice); a builder's error reaches the caller.
@@ -221,11 +205,11 @@ def test_background_compile_enters_the_pool_on_the_callers_thread():
     pool.collect(wait=True)
     assert a in pool and not pool.compiling and pool.prepare(a, lambda: (X,))
     if sys.platform == "linux":  # XLA's compile threads were lowered too; its execution threads and Python's were not
-        nice = _thread_nice()
-        compile_threads = [n for (name, _), n in nice.items() if name == "compile"]
+        nice = {(kind, tid): os.getpriority(os.PRIO_PROCESS, tid) for tid, kind in thread_kinds().items()}
+        compile_threads = [n for (kind, _), n in nice.items() if kind == COMPILE]
         assert compile_threads and min(compile_threads) == BACKGROUND_NICE
-        assert all(n < BACKGROUND_NICE for (name, _), n in nice.items() if name == "tf_XLAEigen")
-        assert os.getpriority(os.PRIO_PROCESS, threading.main_thread().native_id) < BACKGROUND_NICE
+        assert all(n < BACKGROUND_NICE for (kind, _), n in nice.items() if kind == "tf_XLAEigen")
+        assert nice[("MainThread", threading.main_thread().native_id)] < BACKGROUND_NICE
         assert lower_compile_threads() == 0  # nothing left to lower
     assert not pool.prepare(b, lambda: (X,)) and started.wait(60)
     threading.Timer(0.2, release.set).start()
@@ -238,6 +222,7 @@ def test_background_compile_enters_the_pool_on_the_callers_thread():
     with pytest.raises(ValueError, match="no program for length 0"):
         pool.collect(wait=True)
     assert bad not in pool and not pool.compiling
+    pool.close()
 
 
 def test_get_compiles_a_queued_key_in_place_and_close_stops_the_worker():

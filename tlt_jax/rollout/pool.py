@@ -37,6 +37,7 @@ BACKGROUND_NICE = 19
 # XLA:CPU runs programs on its "tf_XLAEigen" pool and the calling thread. Its compile threads are unnamed (they keep
 # the process's name) or LLVM's "llvm-worker-N"; Python's own threads are unnamed too, and are left alone.
 _COMPILE_THREAD_PREFIXES = ("llvm-worker",)
+COMPILE = "compile"  # the kind ``thread_kinds`` gives XLA's compile threads
 
 
 def lower_thread_priority() -> None:
@@ -45,31 +46,43 @@ def lower_thread_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
-def lower_compile_threads() -> int:
-    """Run XLA's compile threads at BACKGROUND_NICE (Linux, CPU backend): the threads of this process that are not
-    Python threads and are unnamed (named as the process) or LLVM workers; XLA's execution threads ("tf_XLAEigen")
-    and every Python thread keep their priority. A compile in place then runs at that priority too, which costs
-    nothing while the caller waits for it. Returns how many threads were lowered now."""
-    if sys.platform != "linux" or jax.default_backend() != "cpu":
-        return 0
+def thread_kinds() -> dict[int, str]:
+    """{thread id: kind} of this process's threads (Linux; {} elsewhere): a Python thread's name; COMPILE for a
+    native thread that is unnamed (named as the process) or an LLVM worker, i.e. XLA's compile threads; otherwise
+    the native thread's own name without its number (e.g. "tf_XLAEigen", XLA's execution pool)."""
     task = "/proc/self/task"
-    python = {t.native_id for t in threading.enumerate()}
     try:
         with open("/proc/self/comm") as f:
             process_name = f.read().strip()
         tids = [int(t) for t in os.listdir(task)]
     except OSError:
-        return 0
-    lowered = 0
+        return {}
+    python = {t.native_id: t.name for t in threading.enumerate()}
+    kinds = {}
     for tid in tids:
         if tid in python:
+            kinds[tid] = python[tid]
             continue
         try:
             with open(f"{task}/{tid}/comm") as f:
                 name = f.read().strip()
-            if (name == process_name or name.startswith(_COMPILE_THREAD_PREFIXES)) and (
-                os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE
-            ):
+        except OSError:  # the thread ended meanwhile
+            continue
+        compile_thread = name == process_name or name.startswith(_COMPILE_THREAD_PREFIXES)
+        kinds[tid] = COMPILE if compile_thread else name.rstrip("0123456789-_")
+    return kinds
+
+
+def lower_compile_threads() -> int:
+    """Run XLA's compile threads (``thread_kinds``: COMPILE) at BACKGROUND_NICE, on a CPU backend; XLA's execution
+    threads and every Python thread keep their priority. A compile in place then runs at that priority too, which
+    costs nothing while the caller waits for it. Returns how many threads were lowered now."""
+    if sys.platform != "linux" or jax.default_backend() != "cpu":
+        return 0
+    lowered = 0
+    for tid, kind in thread_kinds().items():
+        try:
+            if kind == COMPILE and os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE:
                 os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
                 lowered += 1
         except OSError:  # the thread ended meanwhile
