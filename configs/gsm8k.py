@@ -54,7 +54,11 @@ whose speed drifts by tens of percent):
   s including the install): held-out accuracy 0.375, 0.625, 0.688, 0.656; EAGLE arms on 6-100 % of each step's decode
   steps, and the bandit's ledger reporting 23-34 % of plain's estimated decode seconds saved from step 2 on
   (``rollout/spec_loss``; an estimate, not a paired measurement: in the paired runs of this config the first steps
-  measured a loss instead and the bandit held to plain decoding).
+  measured a loss instead and the bandit held to plain decoding). With XLA's compile threads niced and safe tries
+  (2026-11-27, fresh clone, 8 min 0 s including the install): the same accuracies; the ledger at an 8.6 % loss
+  after step 2 (a cold compilation cache), EAGLE arms on 3-20 % of the decode steps of steps 1-3 and 8 and plain
+  decoding otherwise; paired, 0.92x over 44 steps of four runs (0.87x-0.98x; "..., with XLA's compile threads niced
+  and safe tries").
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
 
