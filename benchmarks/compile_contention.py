@@ -12,6 +12,14 @@ new key, compiled for real: no persistent compilation cache), in two ways:
   does now before each background compile; once lowered they stay lowered, so this case runs second);
 then alone again. Prints and writes seconds per rollout, the ratio to alone (the mean of the two alone timings),
 and the compiles finished meanwhile with their mean seconds (a compile that yields the cores takes longer).
+
+``--warm_cache`` measures what a steady run's background "compiles" are: with the persistent compilation cache on
+and eight verify steps compiled once first, each build is a cache hit, i.e. Python tracing and lowering (which hold
+the GIL) and a load; the thread rebuilds them over and over. ``--prompts=1 --n=1`` decodes at batch 1, where a
+round trip is short and its host work (which needs the GIL) weighs most:
+
+    python benchmarks/compile_contention.py --warm_cache --prompts=1 --n=1 \
+        --out=benchmarks/results/compile_contention_warm_b1_cpu.json
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("calls", 4, "timed rollouts per case")
+flags.DEFINE_integer("prompts", 2, "prompts per rollout")
+flags.DEFINE_integer("n", 4, "samples per prompt")
+flags.DEFINE_bool("warm_cache", False, "persistent compilation cache on, every step compiled once first: rebuilds")
 flags.DEFINE_string("out", "benchmarks/results/compile_contention_cpu.json", "JSON output")
 _F = flags.FLAGS
 
@@ -46,6 +57,10 @@ def main(argv):
     from tlt_jax.rollout.plan import step_key
     from tlt_jax.rollout.pool import lower_thread_priority
 
+    if _F.warm_cache:
+        from tlt_jax.main import _enable_compilation_cache
+
+        _enable_compilation_cache()
     cfg = load_config("gsm8k", {"drafter.online": False})
     off_cfg = load_config("gsm8k", {"drafter.online": False, "rollout.speculative": "off", "rollout.spec_arms": ""})
     mesh = make_mesh(cfg.mesh)
@@ -53,8 +68,8 @@ def main(argv):
     data = build_data(cfg, tok, model.config)
     adaptive = build_engine(cfg, model, mesh, data)  # its pool builds the verify steps
     plain = build_engine(off_cfg, model, mesh, data)
-    prompts = [data.train[0]["prompt_ids"], data.train[1]["prompt_ids"]]
-    params = SamplingParams(temperature=0.0, n=4, max_new_tokens=48, seed=0)
+    prompts = [data.train[i]["prompt_ids"] for i in range(_F.prompts)]
+    params = SamplingParams(temperature=0.0, n=_F.n, max_new_tokens=48, seed=0)
     plain.generate(prompts, params)  # every plain step compiled
     keys = [
         (step_key(arm, b, length), arm, b, length)
@@ -62,6 +77,10 @@ def main(argv):
         for b in adaptive.batch_buckets
         for length in adaptive.length_buckets
     ]
+    if _F.warm_cache:  # eight of them, each in the persistent cache (a cache hit from here on)
+        keys = keys[:8]
+        for key, arm, b, length in keys:
+            adaptive.pool._build(key, adaptive.abstract_args(arm, b, length))
 
     def rollouts() -> list[float]:
         out = []
@@ -76,8 +95,10 @@ def main(argv):
 
         def loop():
             lower_thread_priority()
-            while not stop.is_set() and keys:
-                key, arm, b, length = keys.pop(0)
+            i = 0
+            while not stop.is_set() and (_F.warm_cache or keys):
+                key, arm, b, length = keys[i % len(keys)] if _F.warm_cache else keys.pop(0)
+                i += 1
                 t0 = time.perf_counter()
                 adaptive.pool._build(key, adaptive.abstract_args(arm, b, length), background=lower_xla)
                 compiles.append(time.perf_counter() - t0)
@@ -102,6 +123,7 @@ def main(argv):
         benchmark="compile_contention",
         machine=dict(platform=platform.platform(), cpu_count=os.cpu_count(), device_kind=jax.devices()[0].device_kind),
         config="configs/gsm8k.py",
+        warm_cache=_F.warm_cache,
         rollout=dict(prompts=len(prompts), n=params.n, max_new_tokens=params.max_new_tokens, temperature=0.0),
         alone_first_s=first,
         alone_last_s=last,

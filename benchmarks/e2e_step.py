@@ -221,6 +221,7 @@ class PairedRollout:
     def __init__(self, base, other, chunks: bool = False):
         self.base, self.other, self.chunks = base, other, chunks
         self.calls: list[dict] = []
+        self._threads = thread_cpu_seconds()
 
     @property
     def params(self):
@@ -245,10 +246,37 @@ class PairedRollout:
         self.other.close()
 
     def generate(self, prompts, params, **kwargs):
-        import jax
-
         order = ("base", "other") if len(self.calls) % 2 == 0 else ("other", "base")
         rec, results = {"first": order[0], "temperature": params.temperature}, {}
+        # What XLA's compile threads and the pool's worker ran since the last pair: the mode's background compiles
+        # beside the policy update, whose cost lands there, outside both timings (an upper bound, in CPU seconds).
+        now = thread_cpu_seconds()
+        rec["between_thread_cpu_s"] = {k: round(v - self._threads.get(k, 0.0), 3) for k, v in now.items()
+                                       if v - self._threads.get(k, 0.0) >= 0.005}
+        # compile_between_calls: the mode's compiles wait for both rollouts of the pair (as for its own rollout in a
+        # run), so none runs beside the "off" engine's either
+        hold = getattr(self.other, "compile_between_calls", False) and not self.other.pool.held
+        if hold:
+            self.other.pool.hold()
+        try:
+            self._pair(order, rec, results, prompts, params, kwargs)
+        finally:
+            if hold:
+                self.other.pool.release()
+        self._threads = thread_cpu_seconds()
+        if results["base"].tokens != results["other"].tokens:
+            raise AssertionError(f"paired rollout {len(self.calls)}: the two engines sampled different tokens")
+        rec["tokens"] = int(sum(len(c) for comps in results["other"].tokens for c in comps))
+        rec["arm_steps"] = results["other"].stats.get("arm_steps")
+        bandit = results["other"].stats.get("bandit")
+        if bandit is not None:  # the bandit's own estimate of its cost against plain decoding, so far
+            rec["ledger"] = bandit.get("ledger")
+        self.calls.append(rec)
+        return results["other"]
+
+    def _pair(self, order, rec, results, prompts, params, kwargs) -> None:
+        import jax
+
         for name in order:
             t = time.perf_counter()
             for engine in (self.base, self.other):  # work left from before finishes outside the timings:
@@ -272,15 +300,6 @@ class PairedRollout:
             rec[f"{name}_background_compile_s"] = float(st.get("background_compile_seconds_this_call", 0.0))
             if self.chunks:
                 rec[f"{name}_chunks"] = [{k: c[k] for k in self.CHUNK_KEYS if k in c} for c in st["chunks"]]
-        if results["base"].tokens != results["other"].tokens:
-            raise AssertionError(f"paired rollout {len(self.calls)}: the two engines sampled different tokens")
-        rec["tokens"] = int(sum(len(c) for comps in results["other"].tokens for c in comps))
-        rec["arm_steps"] = results["other"].stats.get("arm_steps")
-        bandit = results["other"].stats.get("bandit")
-        if bandit is not None:  # the bandit's own estimate of its cost against plain decoding, so far
-            rec["ledger"] = bandit.get("ledger")
-        self.calls.append(rec)
-        return results["other"]
 
 
 def thread_cpu_seconds() -> dict[str, float]:
@@ -361,7 +380,10 @@ def summarise_paired(steady: list[dict]) -> dict:
     def total(key, sel=steady):
         return sum(c[key] for c in sel)
 
+    from tlt_jax.rollout.pool import COMPILE
+
     off_s, mode_s = total("base_s"), total("other_s")
+    drain = total("base_drain_s") + total("other_drain_s")
     off_nc, mode_nc = off_s - total("base_compile_s"), mode_s - total("other_compile_s")
     # Whichever engine goes first may run on a different machine state (right after the update): the ratio over
     # the steps where "off" went first and over those where the mode did, and their geometric mean, which cancels
@@ -389,8 +411,21 @@ def summarise_paired(steady: list[dict]) -> dict:
             d["tokens"] += c["tokens"]
             d["chunks"] += 1
             d["unobserved_seconds"] += c["seconds"] if c["first_run"] or c.get("compile_overlap") else 0.0
+    # ... and what those round trips cost beyond the same engine's other round trips of their bucket and arm (at the
+    # others' seconds per token): beside a background compile, and a step's first run
+    rate, excess = {}, {"compile_overlap": 0.0, "first_run": 0.0}
+    for name in ("base", "other"):
+        for c in (x for rec in steady for x in rec.get(f"{name}_chunks", ())):
+            if not (c["first_run"] or c.get("compile_overlap")):
+                r = rate.setdefault((name, c["batch"], c["choice"]), [0.0, 0])
+                r[0] += c["seconds"]
+                r[1] += c["tokens"]
+    for c in (x for rec in steady for x in rec.get("other_chunks", ())):
+        r = rate.get(("other", c["batch"], c["choice"]))
+        if r and r[1] and (c["first_run"] or c.get("compile_overlap")):
+            excess["first_run" if c["first_run"] else "compile_overlap"] += c["seconds"] - c["tokens"] * r[0] / r[1]
     return {
-        **({"steady_chunk_split": split} if split else {}),
+        **({"steady_chunk_split": split, "steady_mode_unobserved_excess_s": excess} if split else {}),
         "steady_steps": len(steady),
         "steady_off_s": off_s,
         "steady_mode_s": mode_s,
@@ -404,7 +439,12 @@ def summarise_paired(steady: list[dict]) -> dict:
         "steady_speedup_vs_off_bootstrap_90": [boot[100], boot[1899]],
         "steady_steps_mode_faster": sum(c["other_s"] < c["base_s"] for c in steady),
         "steady_background_compile_s": total("other_background_compile_s"),
-        "steady_drain_s": total("base_drain_s") + total("other_drain_s"),
+        "steady_drain_s": drain,
+        # every drain (leftover compiles, updates in flight) charged to the mode, as if it had waited for them
+        "steady_speedup_vs_off_drain_charged": off_s / (mode_s + drain),
+        # CPU seconds of XLA's compile threads and the pool's worker between pairs (beside the policy update)
+        "steady_between_compile_cpu_s": sum(v for c in steady for k, v in c.get("between_thread_cpu_s", {}).items()
+                                            if k == COMPILE or k.startswith("step-compile")),
     }
 
 
@@ -433,7 +473,12 @@ def print_paired(name: str, mode: str, res: dict) -> None:
           f"{res['steady_speedup_vs_off_bootstrap_90'][0]:.3f}-{res['steady_speedup_vs_off_bootstrap_90'][1]:.3f}x; "
           f"{mode} faster in {res['steady_steps_mode_faster']} of {res['steady_steps']} steps); background compiles "
           f"{res['steady_background_compile_s']:.1f} s, drained before a timed rollout "
-          f"{res['steady_drain_s']:.1f} s", flush=True)
+          f"{res['steady_drain_s']:.1f} s ({res['steady_speedup_vs_off_drain_charged']:.3f}x charged to {mode}); "
+          f"compile CPU between pairs {res['steady_between_compile_cpu_s']:.1f} s", flush=True)
+    excess = res.get("steady_mode_unobserved_excess_s")
+    if excess:
+        print(f"{name}: {mode}'s round trips beside a background compile took {excess['compile_overlap']:+.2f} s and "
+              f"first runs {excess['first_run']:+.2f} s more than its others of the same bucket and arm", flush=True)
 
 
 def main():

@@ -58,7 +58,8 @@ whose speed drifts by tens of percent):
   (2026-11-27, fresh clone, 8 min 0 s including the install): the same accuracies; the ledger at an 8.6 % loss
   after step 2 (a cold compilation cache), EAGLE arms on 3-20 % of the decode steps of steps 1-3 and 8 and plain
   decoding otherwise; paired, 0.92x over 44 steps of four runs (0.87x-0.98x; "..., with XLA's compile threads niced
-  and safe tries").
+  and safe tries"). With new speculative steps compiled between rollouts instead of beside them: paired, 1.00x over
+  33 steps of three runs (0.94x-1.06x; runs 0.94x, 1.03x, 1.03x; "..., paired, with compiles between rollouts").
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
 

@@ -255,3 +255,43 @@ def test_get_compiles_a_queued_key_in_place_and_close_stops_the_worker():
     pool.close()  # waits for the running compile, drops the queued one
     assert 4 not in threads and not pool.compiling and later not in pool and dropped not in pool
     assert [t.name for t in threading.enumerate() if t.name.startswith("step-compile")] == []
+
+
+def test_held_pool_defers_background_compiles_until_release():
+    """While held, ``prepare`` starts nothing (the key is outstanding, not compiling), a compile queued behind a
+    running one goes back to waiting, ``get`` of a deferred key compiles it in place; ``release`` queues the rest in
+    the order asked for, on the worker thread."""
+    import threading
+
+    built, release_running = [], threading.Event()
+
+    def build(key):
+        built.append((key.length, threading.current_thread().name))
+        if key.length == 1:
+            assert release_running.wait(60)
+        return jax.jit(lambda x: x * key.length)
+
+    pool = StepPool(budget=10, compiler_options=FAST)
+    pool.register("verify", "eagle", build)
+    running, queued, asked, taken = (StepKey("verify", 1, n, "eagle") for n in (1, 2, 3, 4))
+    assert not pool.prepare(running, lambda: (X,)) and not pool.prepare(queued, lambda: (X,))
+    while not built:  # the first one is running on the worker
+        threading.Event().wait(0.01)
+    pool.hold()
+    assert pool.held and pool.deferred == 1 and pool.compiling  # the queued one waits again; the running one stays
+    assert not pool.prepare(asked, lambda: (X,)) and not pool.prepare(taken, lambda: (X,)) and pool.deferred == 3
+    assert not pool.prepare(asked, lambda: (X,)) and pool.deferred == 3  # asked once
+    release_running.set()
+    pool.collect(wait=True)
+    assert running in pool and not pool.compiling and pool.outstanding
+    assert float(pool.get(taken, X)(X)[0]) == 0.0 and taken in pool and pool.deferred == 2  # in place, now
+    assert built == [(1, "step-compile_0"), (4, "MainThread")]  # nothing started on the worker while held
+    pool.release()
+    assert not pool.held and pool.deferred == 0 and pool.compiling
+    pool.collect(wait=True)
+    assert queued in pool and asked in pool and not pool.outstanding
+    assert built[2:] == [(2, "step-compile_0"), (3, "step-compile_0")]
+    pool.hold()
+    assert not pool.prepare(StepKey("verify", 2, 5, "eagle"), lambda: (X,)) and pool.deferred == 1
+    pool.close()  # drops what is deferred
+    assert not pool.outstanding and len(built) == 4

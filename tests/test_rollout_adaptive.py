@@ -168,6 +168,33 @@ def test_background_compile_decodes_plain_meanwhile(model, drafter, plain):
     assert "eagle:3x2x6" in {c["choice"] for c in second}
 
 
+def test_compile_between_calls_compiles_after_the_call(model, drafter, plain):
+    """compile_between_calls (the main job's setting): a speculative step not compiled yet is asked for during the
+    call but built only after it has returned, so no round trip shares the host with a compile; the next call runs
+    the arm. The tokens are plain decoding's either way."""
+    spec = SpecConfig(arms=("off", "eagle:3x2x6"), epsilon=1.0, margin=1.0, time_share=False, threshold=8)
+    engine = RolloutEngine(model, drafter=drafter, spec=spec, background_compile=True, compile_between_calls=True,
+                           **KW)
+    held_at_build = []  # whether the engine was decoding (the pool held) when each verify step began to build
+    for (phase, arm), builder in list(engine.pool._builders.items()):
+        if phase == "verify":
+            engine.pool.register(phase, arm, lambda key, b=builder: held_at_build.append(engine.pool.held) or b(key))
+    ref = plain.generate(PROMPTS, GREEDY)
+    calls = []
+    for _ in range(2):
+        calls.append(engine.generate(PROMPTS, GREEDY))
+        assert not engine.pool.held and engine.pool.deferred == 0
+        engine.pool.collect(wait=True)
+    for res in calls:
+        assert_same(res, ref)
+    first, second = (r.stats["chunks"] for r in calls)
+    assert {c["choice"] for c in first} == {"off"} and any(c.get("waited_for") == "eagle:3x2x6" for c in first)
+    assert not any(c.get("compile_overlap") for c in first + second)
+    assert held_at_build and not any(held_at_build)  # none built during a call
+    assert "eagle:3x2x6" in {c["choice"] for c in second}
+    engine.close()
+
+
 def test_loss_budget_charges_every_round_trip_and_holds_compiles(model, drafter, plain):
     """max_loss (a conservative bandit): "off" is measured first whatever the arms' order; every round trip the
     bandit decided is in its ledger (plain decoding's seconds + the loss = their seconds, first runs and compile

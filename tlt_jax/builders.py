@@ -240,8 +240,9 @@ def adaptive_spec(cfg, model_config) -> dict:
     """Engine arguments of ``rollout.speculative="adaptive"``: the bandit over ``rollout.spec_arms``, with the EAGLE
     drafter of ``rollout.drafter_path`` (or a fresh one that trains online) when an arm needs it. Seeded by
     train.seed, so every process (and a rerun) takes the same decisions from the same measurements. A speculative
-    step met for the first time compiles in the background while plain decoding goes on (``background_compile``),
-    so the rollout never waits for a program that plain decoding does not need."""
+    step met for the first time is compiled in the background once the rollout has returned (``background_compile``,
+    ``compile_between_calls``: beside the policy update), so the rollout never waits for, nor shares its host with,
+    a program that plain decoding does not need; the arm is usable from the next rollout."""
     from tlt_jax.adaptive import parse_arms
     from tlt_jax.rollout import SpecConfig
 
@@ -259,7 +260,7 @@ def adaptive_spec(cfg, model_config) -> dict:
     drafter = None
     if any(a.kind == "eagle" for a in arms):  # an empty drafter_path (drafter.online, config-checked): a fresh one
         drafter = load_eagle_drafter(cfg, model_config) if r.drafter_path else fresh_eagle_drafter(cfg, model_config)
-    return dict(drafter=drafter, spec=spec, background_compile=True)
+    return dict(drafter=drafter, spec=spec, background_compile=True, compile_between_calls=True)
 
 
 def restore_engine_state(engine, controller: dict) -> None:

@@ -48,7 +48,10 @@ class RolloutEngine:
     and compaction step ahead of time (prefill compiles on first use, its shape depends on the call).
     background_compile: a speculative step met for the first time compiles on the pool's worker thread while plain
     decoding (the same tokens) goes on, instead of stopping the rollout; which arm runs then depends on when the
-    compile finishes (the tokens do not). pool_budget:
+    compile finishes (the tokens do not). compile_between_calls: those compiles start only once ``generate`` has
+    returned (the pool is held during a call), so none runs beside decoding: a compile's tracing and lowering hold
+    the GIL, which the decode loop's dispatch waits for, and on XLA:CPU its code generation takes the decoding cores
+    (docs/architecture.md §4.5). The arm becomes usable from the next call. pool_budget:
     most compiled steps kept (LRU); pool_max_bytes: most bytes of compiled code kept (None = no byte bound).
     compaction: drop finished rows into smaller buckets (False keeps them frozen in
     place; may be changed between calls). tail_threshold: chunks with at most this many live rows count as tail.
@@ -81,6 +84,7 @@ class RolloutEngine:
         length_buckets: Sequence[int] | None = None,
         precompile: bool = False,
         background_compile: bool = False,
+        compile_between_calls: bool = False,
         pool_budget: int = 128,
         pool_max_bytes: int | None = None,
         compaction: bool = True,
@@ -111,6 +115,7 @@ class RolloutEngine:
         self.length_buckets = bk.length_buckets(self.max_len, length_buckets)
         self.compaction = compaction
         self.background_compile = bool(background_compile)
+        self.compile_between_calls = bool(compile_between_calls)
         self.tail_threshold = int(tail_threshold)
         self.capture = capture
         self.max_stop_tokens = int(max_stop_tokens)
@@ -327,11 +332,18 @@ class RolloutEngine:
         stops = self._stop_ids(params)
         run = GenerateRun(self, prompts, max_new, request_ids, params, stops)
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
-        for w0 in range(0, len(rows), self.max_batch):
-            wave = rows[w0 : w0 + self.max_batch]
-            if on_chunk is not None:
-                run.on_chunk = lambda live, end=w0 + len(wave): on_chunk(end - live, live)
-            run.wave(wave)
+        hold = self.compile_between_calls and not self.pool.held  # (a caller may hold it across several calls)
+        if hold:
+            self.pool.hold()
+        try:
+            for w0 in range(0, len(rows), self.max_batch):
+                wave = rows[w0 : w0 + self.max_batch]
+                if on_chunk is not None:
+                    run.on_chunk = lambda live, end=w0 + len(wave): on_chunk(end - live, live)
+                run.wave(wave)
+        finally:
+            if hold:
+                self.pool.release()
         result = run.assemble(n)
         pool1 = self.pool.counters()
         st = result.stats

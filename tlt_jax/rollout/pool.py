@@ -1,7 +1,8 @@
 """Compiled-step pool: every jitted step is keyed by (phase, batch bucket, length bucket, arm[, extra]), compiled
 once (lazily on first use, ahead of time from abstract arguments, or in the background on the pool's worker thread
-while the caller runs something already compiled), and kept under a count budget and an optional byte budget with LRU
-eviction. Counters (compiles, compile seconds, hits, misses, evictions, bytes) go into the rollout stats.
+while the caller runs something already compiled, or only once the caller is idle: ``hold`` / ``release``), and kept
+under a count budget and an optional byte budget with LRU eviction. Counters (compiles, compile seconds, hits,
+misses, evictions, bytes) go into the rollout stats.
 
 The pool does not know what a step computes: a builder registered per (phase, arm) turns a key into a ``jax.jit``
 function, so a speculative arm adds its own builders beside the plain ones.
@@ -169,6 +170,9 @@ class StepPool:
         self.evictions = 0
         self._ran: set[StepKey] = set()
         self._pending: dict[StepKey, concurrent.futures.Future] = {}
+        self._args: dict[StepKey, tuple] = {}  # abstract arguments of the pending and deferred keys
+        self._deferred: list[StepKey] = []  # background compiles held back until ``release``
+        self._held = False
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self.background_compiles = 0
         self.background_seconds = 0.0
@@ -238,18 +242,52 @@ class StepPool:
 
     def prepare(self, key: StepKey, make_args: Callable[[], tuple]) -> bool:
         """Whether ``key`` is pooled, i.e. runs without a compile on the caller's thread. If not, its compile (from
-        the shapes of ``make_args()``) starts on the pool's worker thread (lowest CPU priority; XLA's own compile
-        threads keep theirs), once. Finished background compiles enter the pool only in ``collect`` or ``get``, on
-        the caller's thread, so the pool never changes under it: call ``collect`` first to see them."""
+        the shapes of ``make_args()``) starts on the pool's worker thread (lowest CPU priority, XLA's compile threads
+        too), once; while the pool is held, at ``release``. Finished background compiles enter the pool only in
+        ``collect`` or ``get``, on the caller's thread, so the pool never changes under it: call ``collect`` first
+        to see them."""
         if key in self._compiled:
             return True
-        if key not in self._pending:
-            if self._worker is None:
-                self._worker = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="step-compile", initializer=lower_thread_priority
-                )
-            self._pending[key] = self._worker.submit(self._build, key, abstract(make_args()), True)
+        if key not in self._pending and key not in self._args:
+            self._args[key] = abstract(make_args())
+            if self._held:
+                self._deferred.append(key)
+            else:
+                self._submit(key)
         return False
+
+    def _submit(self, key: StepKey) -> None:
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="step-compile", initializer=lower_thread_priority
+            )
+        self._pending[key] = self._worker.submit(self._build, key, self._args[key], True)
+
+    def hold(self) -> None:
+        """Start no background compile until ``release``: ``prepare`` defers them, and those queued but not started
+        go back to waiting (one already running finishes). For callers whose host CPU is busy meanwhile: a compile's
+        tracing and lowering hold the GIL, which the caller's own Python (dispatch, host round trips) then waits for."""
+        self._held = True
+        for key, fut in list(self._pending.items()):
+            if fut.cancel():
+                del self._pending[key]
+                self._deferred.append(key)
+
+    def release(self) -> None:
+        """Queue the compiles deferred since ``hold`` on the worker thread, in the order they were asked for."""
+        self._held = False
+        deferred, self._deferred = self._deferred, []
+        for key in deferred:
+            self._submit(key)
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    @property
+    def deferred(self) -> int:
+        """Background compiles asked for while held, not started yet."""
+        return len(self._deferred)
 
     def collect(self, wait: bool = False) -> None:
         """Pool the background compiles that have finished (``wait``: all of them, waiting for those still running).
@@ -257,6 +295,7 @@ class StepPool:
         for key, fut in list(self._pending.items()):
             if wait or fut.done():
                 del self._pending[key]
+                self._args.pop(key, None)
                 exe, seconds = fut.result()
                 if key not in self._compiled:  # not compiled meanwhile on the caller's thread (``compile``)
                     self._install(key, exe, seconds, background=True)
@@ -268,11 +307,19 @@ class StepPool:
             self._worker.shutdown(wait=True, cancel_futures=True)
             self._worker = None
         self._pending.clear()
+        self._deferred.clear()
+        self._args.clear()
 
     @property
     def compiling(self) -> bool:
-        """Whether a background compile is running or finished but not yet collected."""
+        """Whether a background compile is queued, running or finished but not yet collected (deferred ones are not
+        compiling: ``outstanding``)."""
         return bool(self._pending)
+
+    @property
+    def outstanding(self) -> bool:
+        """Whether a background compile was asked for and is not pooled yet (compiling or deferred)."""
+        return bool(self._pending or self._deferred)
 
     def first_run(self, key: StepKey) -> bool:
         """Whether the pooled step ``key`` is about to run for the first time (and marks it run). A first execution
@@ -293,6 +340,9 @@ class StepPool:
             self._compiled.move_to_end(key)
             return self._compiled[key]
         self.misses += 1
+        if key in self._deferred:  # deferred: compiles here, now
+            self._deferred.remove(key)
+        self._args.pop(key, None)
         fut = self._pending.pop(key, None)
         if fut is not None and not fut.cancel():  # compiling in the background: wait for it (the wait is compile time)
             t0 = time.perf_counter()

@@ -231,9 +231,9 @@ class GenerateRun:
         self._harvest(state, slots >= 0, slots, info.num_generated)
 
     def _one_at_a_time(self) -> bool:
-        """With a loss budget (``max_loss``) one background compile at a time, so its cost is charged before the next
-        starts."""
-        return self.e.bandit is not None and self.e.bandit.config.max_loss is not None and self.e.pool.compiling
+        """With a loss budget (``max_loss``) one background compile at a time, a deferred one included, so compiles
+        come one by one as the budget allows."""
+        return self.e.bandit is not None and self.e.bandit.config.max_loss is not None and self.e.pool.outstanding
 
     def _cache_length(self, committed: np.ndarray, last: np.ndarray, live: np.ndarray, arm: Arm) -> int:
         """The cache-length bucket of ``arm``'s next call: the positions it reads, i.e. each live row's committed
