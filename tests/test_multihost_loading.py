@@ -189,9 +189,8 @@ def test_each_process_holds_its_share_while_loading(tmp_path):
     )
     for r in results:
         assert abs(r["local"] - model_bytes / 2) < 0.05 * model_bytes, r  # its devices' shards: half the model
-        # Its half plus one parameter block in flight (and whatever XLA allocates meanwhile: 0.58-0.61 x the model
-        # here, once 0.81 x in CI); a whole-model read would add >= 1.0 x the model on top of the half, >= 1.5 x.
-        assert r["peak"] < 1.0 * model_bytes, (r["peak"], model_bytes)
+        # Its half plus one parameter block in flight; a whole-model read would add >= 1.0 x the model on top.
+        assert r["peak"] < 0.75 * model_bytes, (r["peak"], model_bytes)
         assert r["sums"].keys() == want_sums.keys()
         for k, v in want_sums.items():
             assert abs(r["sums"][k] - v) <= 1e-3 * max(1.0, abs(v)), k
