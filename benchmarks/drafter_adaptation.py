@@ -14,8 +14,9 @@ benchmarks/results/drafter_adaptation.json; the adaptive run's workdir keeps its
 slices busy / idle / training).
 
     python benchmarks/drafter_adaptation.py --steps 8 --lr 2e-5
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/drafter_adaptation.py --slices 2 \
-        --modes static,adaptive,adaptive_hot --out benchmarks/results/drafter_adaptation_2slices.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/drafter_adaptation.py --steps 12 --lr 5e-5 \
+        --drafter_lr 2e-4 --steps_without_idle 4 --slices 2 --modes static,adaptive,adaptive_hot \
+        --out benchmarks/results/drafter_adaptation_mild.json
 """
 
 from __future__ import annotations
@@ -49,14 +50,24 @@ def main() -> None:
     ap.add_argument("--steps_without_idle", type=int, default=4)
     ap.add_argument("--tree", default="5x1x6", help="EAGLE tree of both runs (depth x topk x verify tokens)")
     ap.add_argument("--max_new_tokens", type=int, default=256)
-    ap.add_argument("--kl_coef", type=float, default=1e-3,
-                    help="rl.kl_coef: > 0 keeps the starting policy as reference, so train/kl_loss measures the drift")
-    ap.add_argument("--modes", default="static,adaptive",
-                    help="static, adaptive, adaptive_hot (adaptive with drafter.hot_swap: needs --slices >= 2)")
+    ap.add_argument(
+        "--kl_coef",
+        type=float,
+        default=1e-3,
+        help="rl.kl_coef: > 0 keeps the starting policy as reference, so train/kl_loss measures the drift",
+    )
+    ap.add_argument(
+        "--modes",
+        default="static,adaptive",
+        help="static, adaptive, adaptive_hot (adaptive with drafter.hot_swap: needs --slices >= 2)",
+    )
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--workdir", default=None,
-                    help="default: a fresh temporary directory; an earlier run's resumes each mode from its last "
-                    "checkpoint (a larger --steps continues the runs; wall_s then counts only the new steps)")
+    ap.add_argument(
+        "--workdir",
+        default=None,
+        help="default: a fresh temporary directory; an earlier run's resumes each mode from its last "
+        "checkpoint (a larger --steps continues the runs; wall_s then counts only the new steps)",
+    )
     args = ap.parse_args()
 
     from tlt_jax.main import _enable_compilation_cache, run
@@ -119,7 +130,8 @@ def main() -> None:
             "tail_s": [r["time/tail_s"] for r in rows],
             "kl_to_start": [r.get("train/kl_loss") for r in rows],
             "final_eval": {k.removeprefix("eval/"): final[0].get(k) for k in ("eval/accuracy", "eval/accept_length")}
-            if final else None,
+            if final
+            else None,
             "wall_s": time.perf_counter() - t0,
         }
     s = out["modes"]["static"]
@@ -127,12 +139,16 @@ def main() -> None:
     # Same samples: per step, the response lengths of every run (lengths.jsonl) and the rewards. Verification is
     # lossless, but sampled tokens are a function of the policy's fp32 logits, which differ in the last bits between
     # verify-tree and plain-step shapes: a near-tie can flip one sample (greedy runs stay identical).
-    lengths = {n: [json.loads(x)["lengths"] for x in (root / n / "lengths.jsonl").read_text().splitlines()]
-               for n in names}
+    lengths = {
+        n: [json.loads(x)["lengths"] for x in (root / n / "lengths.jsonl").read_text().splitlines()] for n in names
+    }
     out["steps_with_other_samples"] = [
-        k + 1 for k in range(len(s["reward_mean"]))
-        if any(lengths[n][k] != lengths["static"][k] or m["reward_mean"][k] != s["reward_mean"][k]
-               for n, m in out["modes"].items())
+        k + 1
+        for k in range(len(s["reward_mean"]))
+        if any(
+            lengths[n][k] != lengths["static"][k] or m["reward_mean"][k] != s["reward_mean"][k]
+            for n, m in out["modes"].items()
+        )
     ]
     out["same_rollouts"] = not out["steps_with_other_samples"]
     for name, m in out["modes"].items():
@@ -152,18 +168,26 @@ def main() -> None:
     for k in range(len(s["accept_length"])):
         cells = "  ".join(f"{n} {m['accept_length'][k]:.2f}" for n, m in out["modes"].items())
         kl = s["kl_to_start"][k]
-        print(f"step {k + 1}: accept {cells}  reward {s['reward_mean'][k]:.3f}"
-              + (f"  KL to start {kl:.4f}" if kl is not None else ""))
+        print(
+            f"step {k + 1}: accept {cells}  reward {s['reward_mean'][k]:.3f}"
+            + (f"  KL to start {kl:.4f}" if kl is not None else "")
+        )
     for n in trained:
         m = out["modes"][n]
-        print(f"{n} / static accept: last step {m['ratio_last']:.2f}, second half {m['ratio_second_half']:.2f}; "
-              f"drafter {sum(m['drafter_train_s']):.1f} s over the run")
+        print(
+            f"{n} / static accept: last step {m['ratio_last']:.2f}, second half {m['ratio_second_half']:.2f}; "
+            f"drafter {sum(m['drafter_train_s']):.1f} s over the run"
+        )
         if "ratio_final_eval" in m:
-            print(f"{n} / static accept on the held-out prompts (final greedy evaluation, step "
-                  f"{len(s['accept_length'])}): {m['final_eval']['accept_length']:.2f} / "
-                  f"{s['final_eval']['accept_length']:.2f} = {m['ratio_final_eval']:.2f}")
-    print(f"same rollouts: {out['same_rollouts']} (steps whose samples differ between runs: "
-          f"{out['steps_with_other_samples'] or 'none'}); {args.out}")
+            print(
+                f"{n} / static accept on the held-out prompts (final greedy evaluation, step "
+                f"{len(s['accept_length'])}): {m['final_eval']['accept_length']:.2f} / "
+                f"{s['final_eval']['accept_length']:.2f} = {m['ratio_final_eval']:.2f}"
+            )
+    print(
+        f"same rollouts: {out['same_rollouts']} (steps whose samples differ between runs: "
+        f"{out['steps_with_other_samples'] or 'none'}); {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""CPU validation of pod_sim: per-call costs measured on the engine's own compiled steps, then a real engine run.
+"""CPU validation of the pod model (``pod_sim_model``): per-call costs measured on the engine's own compiled steps,
+then a real engine run.
 
 The simulator gets only the measured per-call costs (by batch bucket and cache-length bucket) and the requests'
 lengths; its predicted rollout time is compared with the engine's measured time for the same workload (the
@@ -17,7 +18,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pod_sim as ps
+import pod_sim_model as ps
 import rollout_tail as rt
 
 from tlt_jax.assets import EMBEDDED_DRAFTER, resolve_drafter_path

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-import pod_sim as ps
+import pod_sim_model as ps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,9 @@ must emit the same tokens (checked):
 Both run side by side in one process, after a warm-up call that compiles them, alternating for ``--repeats`` rounds;
 the median wall times are compared. ms per step = wall seconds / the longest request's tokens (both sides).
 
-The whole-batch baseline is the tunix/gemma sampler loop: prefill the batch, then one ``while_loop`` over the whole
-batch until every row is done, finished rows still computing and attention always reading the full cache.
+The whole-batch baseline is this project's own loop (``whole_batch_decoder`` below): prefill the batch, then one
+``while_loop`` over the whole batch until every row is done, finished rows still computing and attention always reading
+the full cache.
 
     python benchmarks/rollout_tail.py                        # tiny model, then SmolLM2-135M (embedded GGUF)
     python benchmarks/rollout_tail.py --models tiny --repeats 5 --workload both

@@ -2,21 +2,25 @@
 
     python -m tlt_jax.main --config=configs/base.py --workdir=runs/base
 
-Other configs start from ``get_config()`` and override only what differs. Run by itself it trains the tiny synthetic
-task (random tiny model, like configs/tiny.py) with VeRL's conservative GRPO defaults (lr 1e-6, KL 0.001 low-var k3,
-clip 0.2, token-mean): it finishes in well under a minute on CPU and barely learns at that learning rate.
+Other configs start from ``get_config()`` (``base = config_file(__file__, "base")``) and override only what
+differs. Run by itself it trains the tiny synthetic task (random tiny model, like configs/tiny.py) with VeRL's
+conservative GRPO defaults (lr 1e-6, KL 0.001 low-var k3, clip 0.2, token-mean): it finishes in well under a minute
+on CPU and barely learns at that learning rate.
 
-Blocks (see tlt_jax/config.py for every field and its checks):
-  model       source tiny | smollm2 | path; dtype; remat; tiny.* (random model shape)
+Blocks (see tlt_jax/config.py and tlt_jax/rollout_config.py for every field and its checks):
+  model       source tiny | smollm2 | path; path; dtype; remat; tiny.* (random model shape)
   mesh        data / fsdp / tensor (-1 = the remaining devices)
-  data        source synthetic | gsm_symbolic | gsm8k_file; prompts_per_step; sizes, seeds, paths; synthetic.*
+  data        source synthetic | gsm_symbolic | arithmetic | gsm8k_file; prompts_per_step; sizes, seeds, paths,
+              max_prompt_len, chat_template; synthetic.*
   rollout     samples_per_prompt (GRPO n), temperature, top_k / top_p (off: RL rejects them), max_new_tokens,
-              speculative (off | ngram | eagle), drafter_path (eagle: a tlt_jax.drafter.warmup --out dir),
-              spec_threshold, spec_depth, spec_topk, spec_verify_tokens
+              speculative (off | ngram | eagle | adaptive), drafter_path, spec_threshold / spec_depth / spec_topk /
+              spec_verify_tokens (the fixed tree), spec_arms / spec_epsilon / spec_window / spec_patience /
+              spec_max_loss (the adaptive bandit), dtype, attention_impl, num_slices
+  drafter     online, lr, buffer_bytes, window, steps_without_idle, rows, row_len, prompt_context, hot_swap
   rl          advantage, policy_loss, clip_low/high, loss_agg_mode, kl_coef, kl_kind, mini_batch_prompts, epochs,
               micro_batch_size
   optim       lr, warmup_steps, schedule, final_lr_ratio, weight_decay, b1, b2, eps, max_grad_norm
-  reward      num_workers, timeout_s (GSM8K scoring processes)
+  reward      num_workers, timeout_s (GSM8K scoring processes), format_weight
   eval        every_steps, at_start, max_new_tokens, batch_size
   checkpoint  every_steps, max_to_keep, async_save
   metrics     progress_bars, tensorboard

@@ -66,12 +66,9 @@ whose speed drifts by tens of percent):
 Plots in workdir/plots (reward and held-out accuracy, response lengths, accept length, the drafter timeline).
 """
 
-import importlib.util
-import pathlib
+from tlt_jax.config import config_file
 
-_spec = importlib.util.spec_from_file_location("tlt_jax_configs_base", pathlib.Path(__file__).with_name("base.py"))
-base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(base)
+base = config_file(__file__, "base")
 
 
 def get_config():

@@ -15,12 +15,9 @@ Expected: an 8 x H100 node; hours for the 116 steps of one GSM8K epoch (rollout 
 repository's CI - the CPU job is configs/gsm8k.py). Reading .parquet needs pyarrow (pip install pyarrow).
 """
 
-import importlib.util
-import pathlib
+from tlt_jax.config import config_file
 
-_spec = importlib.util.spec_from_file_location("tlt_jax_configs_base", pathlib.Path(__file__).with_name("base.py"))
-base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(base)
+base = config_file(__file__, "base")
 
 
 def get_config():

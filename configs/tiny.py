@@ -8,12 +8,9 @@ to > 0.5 within 20 steps, final greedy evaluation accuracy (every token = 5) nea
 (resume, NaN handling, learning).
 """
 
-import importlib.util
-import pathlib
+from tlt_jax.config import config_file
 
-_spec = importlib.util.spec_from_file_location("tlt_jax_configs_base", pathlib.Path(__file__).with_name("base.py"))
-base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(base)
+base = config_file(__file__, "base")
 
 
 def get_config():

@@ -12,12 +12,9 @@ whose share has finished trains the drafter while the other still decodes, and o
 training; ``rollout/accept_length`` shows the drafter learning. Used by tests/test_online_tail.py.
 """
 
-import importlib.util
-import pathlib
+from tlt_jax.config import config_file
 
-_spec = importlib.util.spec_from_file_location("tlt_jax_configs_tiny", pathlib.Path(__file__).with_name("tiny.py"))
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
+tiny = config_file(__file__, "tiny")
 
 
 def get_config():

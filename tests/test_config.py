@@ -8,7 +8,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from tlt_jax.config import Config, ConfigError, from_config_dict, to_config_dict, to_json
+from tlt_jax.config import Config, ConfigError, config_file, from_config_dict, to_config_dict, to_json
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
@@ -33,6 +33,24 @@ def test_config_files_validate(name):
     # Every config documents its exact command.
     text = (CONFIGS / name).read_text()
     assert "python -m tlt_jax.main --config=configs/" in text
+
+
+def test_every_derived_config_uses_the_shared_helper_and_a_user_config_can_derive(tmp_path):
+    for path in CONFIGS.glob("*.py"):
+        if path.name != "base.py":
+            assert "config_file(__file__, " in path.read_text() and "importlib" not in path.read_text(), path.name
+    # A config of the user's own, beside a copy of tiny.py and base.py, derives from tiny and overrides one key.
+    for name in ("base.py", "tiny.py"):
+        (tmp_path / name).write_text((CONFIGS / name).read_text())
+    (tmp_path / "mine.py").write_text(
+        "from tlt_jax.config import config_file\n\ntiny = config_file(__file__, 'tiny')\n\n\n"
+        "def get_config():\n    c = tiny.get_config()\n    c.optim.lr = 0.25\n    return c\n")
+    cfg = from_config_dict(_parse(["prog", f"--config={tmp_path / 'mine.py'}"]))
+    assert cfg.optim.lr == 0.25 and cfg.data.source == from_config_dict(_load("tiny.py")).data.source
+    assert config_file(str(tmp_path / "mine.py"), "tiny.py").get_config().optim.lr != 0.25  # a fresh copy each time
+    (tmp_path / "base.py").unlink()
+    with pytest.raises(ConfigError, match=r"derives from base\.py, which is not in"):
+        config_file(str(tmp_path / "mine.py"), "tiny")
 
 
 def test_qwen_config_needs_paths_and_has_tlt_defaults():

@@ -1,4 +1,4 @@
-"""benchmarks/pod_sim.py: the rollout model's mechanics on hand-computed cases (no JAX model, milliseconds)."""
+"""benchmarks/pod_sim_model.py: the rollout model's mechanics on hand-computed cases (no JAX model, milliseconds)."""
 
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import pod_sim as ps  # noqa: E402
+import pod_sim_model as ps  # noqa: E402
 
 
 class LinearCosts:

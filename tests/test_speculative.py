@@ -124,7 +124,7 @@ def test_accept_matches_reference_walk():
 
 
 def test_sglang_greedy_verification_case():
-    """docs/speculative_decoding.md §7.1 (sgl-kernel test_verify_tree_greedy), converted to parent pointers."""
+    """The example of sgl-kernel's test_verify_tree_greedy, converted to parent pointers."""
     t0, p0 = from_first_child_next_sibling([0, 1, 2, 3, 4, 5], [1, 2, -1, 4, 5, -1], [-1, 3, -1, -1, -1, -1])
     t1, p1 = from_first_child_next_sibling([7, 8, 9, 10, 11, 12], [4, 2, 3, -1, 5, -1], [-1, -1, -1, -1, 1, -1])
     np.testing.assert_array_equal(p0, [-1, 0, 1, 0, 3, 4])

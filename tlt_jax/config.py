@@ -9,8 +9,11 @@ starts from, so defaults live in one place. The rollout and drafter blocks are i
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
+import pathlib
+import types
 
 import ml_collections
 
@@ -356,6 +359,20 @@ def from_config_dict(cd: ml_collections.ConfigDict | dict) -> Config:
 def to_config_dict(cfg: Config | None = None) -> ml_collections.ConfigDict:
     """The ConfigDict of ``cfg`` (defaults when None): what configs/*.py start from and override."""
     return ml_collections.ConfigDict(as_plain(cfg or Config()))
+
+
+def config_file(here: str, name: str) -> types.ModuleType:
+    """The config file ``name`` (e.g. "base" or "tiny.py") in the folder of ``here`` (a config's ``__file__``), loaded
+    by path: how configs/*.py derive from another, ``base = config_file(__file__, "base")``. Config files are loaded
+    by path (``--config=FILE``), not imported as a package, so a plain ``import base`` would not find them."""
+    path = pathlib.Path(here).resolve().with_name(name if name.endswith(".py") else f"{name}.py")
+    if not path.is_file():
+        raise ConfigError(f"{here} derives from {path.name}, which is not in {path.parent}: keep the config files "
+                          "together, or derive from one that is there")
+    spec = importlib.util.spec_from_file_location(f"tlt_jax_configs_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def to_json(cfg: Config) -> str:

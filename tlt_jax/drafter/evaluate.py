@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax.drafter.hidden import policy_hidden_states
 from tlt_jax.speculative.tree import drafter_prefill, eagle_draft, init_draft_state
 
 
@@ -76,8 +77,6 @@ def chain_acceptance(policy, drafter, sequences: Sequence[Sequence[int]], starts
     if len(starts) != len(sequences):
         raise ValueError(f"{len(starts)} starts for {len(sequences)} sequences")
     if hidden is None:
-        from tlt_jax.drafter.warmup import policy_hidden_states
-
         hidden = policy_hidden_states(policy, sequences)
     out = []
     for seq, start, h in zip(sequences, starts, hidden, strict=True):

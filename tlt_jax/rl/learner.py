@@ -1,5 +1,7 @@
-"""One GRPO iteration: prompts -> rollout -> rewards -> group advantages -> old/ref log-probs recomputed by the
-policy / frozen reference -> policy updates (mini-batches x epochs, each one sharded jitted step).
+"""One GRPO iteration: prompts -> rollout -> rewards -> group advantages -> old / reference log-probs recomputed by
+the policy / frozen reference where needed -> policy updates (mini-batches x epochs, each one sharded jitted step).
+With one update per step the update takes the old log-probs from its own forward (no pass), and with
+``rl.kl_coef = 0`` there is no reference pass.
 
 The rollout engine only samples: its log-probs are never used (the engine may decode speculatively or in another
 batch layout), so speculative decoding cannot leak into the loss. The host owns every decision; the device work is

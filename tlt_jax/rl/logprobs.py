@@ -1,9 +1,10 @@
 """Per-token log-probabilities of sampled responses, recomputed by a policy (or the frozen reference).
 
 GRPO never takes log-probs from the rollout: the engine may have decoded speculatively, in another batch layout or
-precision, so the old and reference log-probs are recomputed here by one teacher-forced forward pass. Sequences are
-``prompt ++ response`` right-padded to ``T``; ``logp[:, t]`` is ``log p(ids[:, t] | ids[:, :t])`` at temperature
-``temperature`` (VeRL divides the logits by the rollout temperature), 0 at ``t = 0`` and at padding.
+precision, so the old and reference log-probs (where the update needs them: several updates per step, a KL term)
+are recomputed here by one teacher-forced forward pass. Sequences are ``prompt ++ response`` right-padded to ``T``;
+``logp[:, t]`` is ``log p(ids[:, t] | ids[:, :t])`` at temperature ``temperature`` (VeRL divides the logits by the
+rollout temperature), 0 at ``t = 0`` and at padding.
 """
 
 from __future__ import annotations

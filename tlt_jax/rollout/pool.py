@@ -323,8 +323,8 @@ class StepPool:
 
     def first_run(self, key: StepKey) -> bool:
         """Whether the pooled step ``key`` is about to run for the first time (and marks it run). A first execution
-        pays one-off costs (measured by ``benchmarks/first_run_cost.py``), so a timing of it says little about the
-        step's speed."""
+        pays one-off costs (``benchmarks/results/first_run_cost_smollm2_cpu.json``), so a timing of it says little
+        about the step's speed."""
         first = key not in self._ran
         self._ran.add(key)
         return first

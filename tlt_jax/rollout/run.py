@@ -10,30 +10,43 @@ import collections
 import functools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from tlt_jax.adaptive import Arm, SpecGate, agreed_all, agreed_seconds
+from tlt_jax.adaptive import Arm, Bandit, SpecGate, agreed_all, agreed_seconds
 from tlt_jax.distributed.multihost import to_host
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.params import RolloutResult, SamplingParams
 from tlt_jax.rollout.plan import step_key
-from tlt_jax.rollout.pool import StepKey
-from tlt_jax.rollout.spec_steps import propose_ngram
+from tlt_jax.rollout.pool import StepKey, StepPool
+from tlt_jax.rollout.spec_steps import SpecConfig, propose_ngram
 from tlt_jax.rollout.state import RowInit, StepInfo
-
-if TYPE_CHECKING:
-    from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.steps import StepContext
+from tlt_jax.speculative import NgramDrafter
 
 OFF = Arm("off")
+
+
+class EngineParts(Protocol):
+    """What a run reads from its engine (``RolloutEngine`` provides it): the engine owns the compiled steps and the
+    bandit across calls, a run only drives them for one call."""
+
+    ctx: StepContext
+    pool: StepPool
+    bandit: Bandit | None
+    arm_specs: dict[Arm, SpecConfig]
+    ngram: NgramDrafter | None
+    chunk_size: int
+    length_buckets: tuple[int, ...]
+    max_stop_tokens: int
 
 
 class GenerateRun:
     """Host-side bookkeeping of one generate call (slots, harvests, stats)."""
 
-    def __init__(self, engine: RolloutEngine, prompts, max_new, request_ids, params: SamplingParams, stops):
+    def __init__(self, engine: EngineParts, prompts, max_new, request_ids, params: SamplingParams, stops):
         self.e = engine
         self.prompts, self.max_new, self.request_ids, self.params = prompts, max_new, request_ids, params
         stop_row = np.full((engine.max_stop_tokens,), -1, np.int32)

@@ -221,7 +221,7 @@ def coupled_scores(logits: jax.Array, sampling: DraftSampling, d: int, vocab: in
     No top-k / top-p filter and no branch on the batch: a predicate over a batch-sharded array is a cross-device
     reduction, and with such a branch here an 8-device CPU test deadlocked in XLA's in-process all-reduce (design
     doc, "Coupled drafting"). Rows sampled with top-k / top-p lose a little acceptance; greedy batches pay the noise
-    (timed in benchmarks/coupling_cost.py)."""
+    (timed: ``benchmarks/results/coupling_cost_smollm2_cpu.json``)."""
     lead = (logits.shape[0],) + (1,) * (logits.ndim - 2)
     g = gumbel_noise(sampling.keys[:, d], vocab)  # [B, V]: the verifier's noise for this depth
     g = (g if ids is None else jnp.take(g, ids, axis=1)).reshape(lead + (logits.shape[-1],))

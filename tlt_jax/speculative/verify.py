@@ -1,6 +1,6 @@
 """Lossless tree verification: one policy forward over the tree, a sample per node, the deepest matching path, commit.
 
-Rule S (docs/speculative_decoding.md §3.2): at every node draw a token from exactly the distribution plain decoding
+Rule S (docs/architecture.md, §4.3): at every node draw a token from exactly the distribution plain decoding
 would use there (``processed_logprobs`` + Gumbel-max ``sample_from_logprobs``); a node is accepted iff it is valid,
 its token equals its parent's sample and all its ancestors are accepted. The emitted tokens are the samples along the
 deepest accepted path: the path's draft tokens and the bonus sample at its end. Greedy is temperature 0 (argmax).
