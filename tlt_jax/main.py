@@ -6,6 +6,11 @@ Builds the mesh, policy (+ frozen reference), tokenizer, prompt pipeline, reward
 drafter), learner, checkpointer and metrics from the config; resumes from the newest readable checkpoint in
 ``--workdir``; runs the RL loop (one console row per step); ends with a greedy evaluation on held-out prompts.
 Everything the run records lives in the workdir: config.json, metrics.jsonl, tensorboard/, checkpoints/.
+
+SIGTERM / SIGINT (a scheduler's stop, Ctrl-C): the step in flight finishes, all processes agree on it, its
+checkpoint is saved and the job exits with 128 + the signal (143 / 130) after one line saying where it saved; a
+second signal exits at once (tlt_jax.distributed.preemption). Exit statuses: 0 done, 2 bad config / launch / data,
+3 non-finite losses, 4 a checkpoint could not be written (disk full, directory not writable), 128 + signal stopped.
 """
 
 from __future__ import annotations
@@ -40,10 +45,56 @@ log = logging.getLogger("tlt_jax")
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NONFINITE = 3
+EXIT_CHECKPOINT_WRITE = 4
 
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+class Stopped(Exception):
+    """The run stopped on a signal after ``step`` (its checkpoint is in ``directory``); exit with ``status``."""
+
+    def __init__(self, signum: int, step: int, directory: str, saved: bool):
+        from tlt_jax.distributed.preemption import exit_status, signal_name
+
+        self.signum, self.step, self.directory, self.status = signum, step, directory, exit_status(signum)
+        name = signal_name(signum)
+        super().__init__(
+            f"stopped by {name} after step {step}: checkpoint in {directory}; resume with the same --workdir"
+            if saved
+            else f"stopped by {name} before step {step + 1}: nothing to save yet; start again with the same --workdir"
+        )
+
+
+def _quiet_failed_save_noise() -> None:
+    """A failed background save is reported by the Checkpointer as one line (CheckpointWriteError); drop the noise
+    the same failure makes on the console: orbax logs it with its traceback (several times), tensorstore writes
+    still in flight when orbax closes its event loop each print "RuntimeError: Event loop is closed" when they end,
+    and Python warns about the save's coroutines that never ran."""
+    import logging as std_logging
+
+    class _Filter(std_logging.Filter):
+        def filter(self, record):
+            return not (record.exc_info and f"{os.sep}orbax{os.sep}" in (record.pathname or ""))
+
+    std_logging.getLogger("absl").addFilter(_Filter())
+    # ... and the coroutines it had made for the save and never ran, reported when they are collected.
+    import warnings
+
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+    previous = sys.unraisablehook
+
+    def hook(info):
+        tb, last = info.exc_traceback, None
+        while tb is not None:
+            last, tb = tb, tb.tb_next
+        closed_loop = isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == "Event loop is closed"
+        if closed_loop and last is not None and f"asyncio{os.sep}" in last.tb_frame.f_code.co_filename:
+            return
+        previous(info)
+
+    sys.unraisablehook = hook
 
 
 def _enable_compilation_cache() -> None:
@@ -78,12 +129,15 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def run(cfg, workdir: str) -> dict[str, float]:
-    """Train (resuming from ``workdir`` when it holds a checkpoint) and evaluate; returns the final metrics."""
+def run(cfg, workdir: str, stop=None) -> dict[str, float]:
+    """Train (resuming from ``workdir`` when it holds a checkpoint) and evaluate; returns the final metrics.
+
+    ``stop`` (a tlt_jax.distributed.preemption.StopSignal; main() installs one for SIGTERM / SIGINT): once it is
+    requested, the step in flight finishes, its checkpoint is saved and :class:`Stopped` is raised."""
     import jax
     import numpy as np
 
-    from tlt_jax.checkpoint import Checkpointer, IncompatibleCheckpointError, abstract_like
+    from tlt_jax.checkpoint import Checkpointer, CheckpointWriteError, IncompatibleCheckpointError, abstract_like
     from tlt_jax.config import ConfigError, to_json
     from tlt_jax.controller.online import OnlineState
     from tlt_jax.data import prompt_dataset
@@ -95,6 +149,7 @@ def run(cfg, workdir: str) -> dict[str, float]:
         is_primary,
         reduce_metrics,
     )
+    from tlt_jax.distributed.preemption import StopSignal, agree_max
     from tlt_jax.metrics import ConsoleTable, MetricsWriter, Progress
     from tlt_jax.metrics.plots import write_plots
     from tlt_jax.metrics.records import append_lengths, drop_steps_after
@@ -132,12 +187,19 @@ def run(cfg, workdir: str) -> dict[str, float]:
             shard_count=jax.process_count(),
         )
     )
-    ckpt = Checkpointer(
-        os.path.join(workdir, "checkpoints"),
-        every_steps=cfg.checkpoint.every_steps,
-        max_to_keep=cfg.checkpoint.max_to_keep,
-        async_save=cfg.checkpoint.async_save,
-    )
+    stop = stop if stop is not None else StopSignal()  # not installed: never set (in-process runs, tests)
+    try:
+        ckpt = Checkpointer(
+            os.path.join(workdir, "checkpoints"),
+            every_steps=cfg.checkpoint.every_steps,
+            max_to_keep=cfg.checkpoint.max_to_keep,
+            async_save=cfg.checkpoint.async_save,
+        )
+    except Exception:
+        online.close()
+        if hasattr(reward_fn, "close"):
+            reward_fn.close()
+        raise
     try:
         restored = ckpt.restore(
             abstract_like(learner.state), data_iter=train_iter, abstract_extra=online.abstract_extra()
@@ -189,6 +251,8 @@ def run(cfg, workdir: str) -> dict[str, float]:
     )
     eval_kwargs = dict(max_new_tokens=eval_max_new_tokens(cfg), batch_size=cfg.eval.batch_size)
 
+    saved = {start} if restored is not None else set()
+
     def save(step: int) -> None:
         controller = {"step": step, "consecutive_nonfinite": consecutive, "time": time.time()}
         controller["engine"] = engine.state_dict() if hasattr(engine, "state_dict") else {}  # adaptive: the bandit
@@ -197,6 +261,25 @@ def run(cfg, workdir: str) -> dict[str, float]:
             extra=online.extra(),
         )
         online.save(step, cfg.checkpoint.max_to_keep)
+        saved.add(step)
+
+    def check_stop(step: int) -> None:
+        """After ``step`` (``start``: before the first): one collective over the processes, for a stop request or a
+        failed checkpoint write on any of them; on a stop, save ``step`` (once) and raise Stopped."""
+        error = ckpt.poll()
+        signum, failed = agree_max(stop.signum, jax.process_index() + 1 if error is not None else 0)
+        if failed:
+            if error is not None:
+                raise error
+            raise CheckpointWriteError(
+                f"process {failed - 1} could not write a checkpoint to {ckpt.directory} (its log line says why); the "
+                "checkpoints saved before are intact. Fix it and resume with the same --workdir."
+            )
+        if signum:
+            if step > start and step not in saved:
+                save(step)
+            ckpt.wait()
+            raise Stopped(signum, step, ckpt.directory, saved=step in saved)
 
     final: dict[str, float] = {}
     try:
@@ -204,6 +287,7 @@ def run(cfg, workdir: str) -> dict[str, float]:
             m = learner.evaluate(data.eval, **eval_kwargs)
             writer.write(0, m, kind="eval")
             progress.write(f"eval at step 0: accuracy {m['eval/accuracy']:.3f} on {len(data.eval)} held-out prompts")
+        check_stop(start)
         for step in range(start + 1, cfg.train.num_steps + 1):
             examples = gather_global_batch(next(train_iter))  # this process's shard -> the global batch
             online.begin(step)
@@ -233,6 +317,7 @@ def run(cfg, workdir: str) -> dict[str, float]:
                 )
             if ckpt.should_save(step) or step == cfg.train.num_steps:
                 save(step)
+            check_stop(step)
         final = learner.evaluate(data.eval, **eval_kwargs)
         exported = online.export()
         if exported:
@@ -264,7 +349,7 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag (see --helpfull)")
     from absl import logging as absl_logging
 
-    from tlt_jax.checkpoint import UnreadableCheckpointError
+    from tlt_jax.checkpoint import CheckpointWriteError, UnreadableCheckpointError
     from tlt_jax.config import ConfigError, from_config_dict
     from tlt_jax.models import ModelLoadError
 
@@ -285,6 +370,12 @@ def main(argv: Sequence[str]) -> None:
         print(f"launch error: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     initialize(launch)
+    # After jax.distributed's start-up (its preemption notifier takes SIGTERM): from here a first SIGTERM / SIGINT
+    # finishes the step and saves, a second exits at once.
+    from tlt_jax.distributed.preemption import StopSignal
+
+    stop = StopSignal().install()
+    _quiet_failed_save_noise()
     _enable_compilation_cache()
     workdir = FLAGS.workdir or _default_workdir(cfg.name)
     if launch is not None:  # one run directory for all processes: process 0's
@@ -292,13 +383,19 @@ def main(argv: Sequence[str]) -> None:
 
         workdir = allgather_objects(workdir)[0]
     try:
-        run(cfg, workdir)
+        run(cfg, workdir, stop=stop)
+    except Stopped as e:
+        print(e, file=sys.stderr, flush=True)
+        sys.exit(e.status)
     except (FileNotFoundError, ModelLoadError, ConfigError, UnreadableCheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_NONFINITE)
+    except CheckpointWriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_CHECKPOINT_WRITE)
 
 
 if __name__ == "__main__":

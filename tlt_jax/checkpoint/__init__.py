@@ -2,6 +2,7 @@
 
 from tlt_jax.checkpoint.manager import (
     Checkpointer,
+    CheckpointWriteError,
     IncompatibleCheckpointError,
     Restored,
     UnreadableCheckpointError,
@@ -10,6 +11,7 @@ from tlt_jax.checkpoint.manager import (
 )
 
 __all__ = [
+    "CheckpointWriteError",
     "Checkpointer",
     "IncompatibleCheckpointError",
     "Restored",

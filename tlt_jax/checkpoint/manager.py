@@ -4,7 +4,10 @@ Items: ``train_state`` (policy params, optimizer state, update counters), ``rng`
 rest of a resumed run), ``data`` (the grain iterator, through grain's orbax handler), ``controller`` (JSON: the host
 loop's counters), and any ``extra`` pytrees (e.g. ``drafter`` = drafter params + optimizer state) when present.
 Orbax writes into a temporary directory and renames it on success, so a killed process never leaves a half-written
-step behind.
+step behind; leftover temporary directories are never restored and are removed when the next run opens the
+directory. A save that fails (disk full, directory not writable) raises :class:`CheckpointWriteError` naming the
+directory, the step and the OS error; the steps saved before it stay as they were and resume. An asynchronous save
+fails in the background: :meth:`Checkpointer.poll` (cheap, once per step) reports it as soon as it is known.
 
 Restore tells an incompatible checkpoint from a corrupt one. Before reading arrays it compares the saved tree
 metadata (keys, shapes, dtypes) with the restore target: a difference means another model / optimizer wrote it, and
@@ -17,10 +20,12 @@ moved to ``<dir>_unreadable`` (kept, so the step can be written again). If no st
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +36,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 __all__ = [
+    "CheckpointWriteError",
     "Checkpointer",
     "IncompatibleCheckpointError",
     "Restored",
@@ -48,6 +54,75 @@ class IncompatibleCheckpointError(ValueError):
 
 class UnreadableCheckpointError(RuntimeError):
     """Every saved step is unreadable; nothing was moved or deleted."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, directory not writable); the earlier steps are intact."""
+
+
+def _any_process(flag: bool) -> int | None:
+    """The first process whose ``flag`` is set (None when none is); a collective in a multi-process job."""
+    if jax.process_count() == 1:
+        return 0 if flag else None
+    from jax.experimental import multihost_utils
+
+    flags = np.asarray(multihost_utils.process_allgather(np.asarray([int(flag)], np.int32))).reshape(-1)
+    hits = np.flatnonzero(flags)
+    return int(hits[0]) if hits.size else None
+
+
+def os_error_text(error: BaseException) -> str | None:
+    """The operating-system cause of ``error`` in a few words (``No space left on device (errno 28)``), from an
+    OSError in its chain or tensorstore's ``[os_error_code='28']``; None when it names none."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return f"{e.strerror or os.strerror(e.errno)} (errno {e.errno})" + (f": {e.filename}" if e.filename else "")
+        m = re.search(r"os_error_code='?(\d+)", str(e))
+        if m:
+            code = int(m.group(1))
+            return f"{os.strerror(code)} (errno {code})"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+def _not_writable(directory: str) -> str | None:
+    """Why new files cannot be made in ``directory`` (read-only file system, permissions), or None; touches
+    nothing (a full disk shows only when writing)."""
+    if os.access(directory, os.W_OK | os.X_OK):
+        return None
+    code = errno.EROFS if os.statvfs(directory).f_flag & os.ST_RDONLY else errno.EACCES
+    return f"{os.strerror(code)} (errno {code})"
+
+
+def _probe_write(directory: str, sync: bool = True) -> str | None:
+    """Why ``directory`` cannot take a new 4 KiB file (its OS error, e.g. read-only), or None when it can."""
+    import tempfile
+
+    path = None
+    try:
+        fd, path = tempfile.mkstemp(dir=directory, prefix=".write_probe.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        return None
+    except OSError as e:
+        return f"{e.strerror or os.strerror(e.errno)} (errno {e.errno})" if e.errno else _first_line(e)
+    finally:
+        if path is not None:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
 
 def _key_name(k) -> str:
@@ -112,10 +187,25 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, every_steps: int, max_to_keep: int, async_save: bool = True):
         self.directory = os.path.abspath(os.fspath(directory))
         self.every_steps = int(every_steps)
+        self._pending: int | None = None  # the step an asynchronous save is writing
+        self.error: CheckpointWriteError | None = None  # the first failed save (later calls re-raise it)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        except OSError as e:
+            raise CheckpointWriteError(
+                f"cannot use the checkpoint directory {self.directory}: {os_error_text(e) or _first_line(e)}. Fix "
+                "it (space, permissions) and start again with the same --workdir."
+            ) from e
+        why = _not_writable(self.directory)
+        if why:  # found now, not after the first steps' work
+            self.manager.close()
+            raise CheckpointWriteError(
+                f"cannot write to the checkpoint directory {self.directory}: {why}. Fix it (space, permissions) and "
+                "start again with the same --workdir."
+            )
 
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -148,7 +238,66 @@ class Checkpointer:
         )
         for name, tree in (extra or {}).items():
             items[f"extra_{name}"] = ocp.args.StandardSave(tree)
-        return bool(self.manager.save(step, args=ocp.args.Composite(**items), force=True))
+        self.wait()  # a failed earlier save is reported as itself, not as this step's
+        # A directory that became read-only (or lost its permissions) makes orbax wait out its coordination timeout
+        # (300 s) for a step directory it cannot create: look first (a 4 KiB file, made and removed).
+        why = _probe_write(self.directory, sync=False)
+        failed = _any_process(why is not None)  # all processes fail together, not some inside orbax's barriers
+        if why or failed is not None:
+            self._failed(step, None, why or f"process {failed} cannot write there (its log line says why)")
+        try:
+            saved = bool(self.manager.save(step, args=ocp.args.Composite(**items), force=True))
+        except Exception as e:
+            self._failed(step, e)
+        self._pending = step if saved else None
+        return saved
+
+    def _failed(self, step: int | None, error: BaseException | None, why: str | None = None):
+        """Record and raise the CheckpointWriteError of ``step`` (``why``: its cause, else found from ``error``)."""
+        self._pending = None
+        steps = [s for s in self._committed_steps() if s != step]
+        kept = (
+            f"the previous checkpoint (step {steps[-1]}) is intact and resumes"
+            if steps
+            else "no earlier checkpoint exists"
+        )
+        # Some failures reach here without their OS error (orbax times out waiting for a step directory that could
+        # not be made): then the directory itself says why.
+        why = why or os_error_text(error) or _probe_write(self.directory) or _first_line(error)
+        self.error = CheckpointWriteError(
+            f"cannot write checkpoint{'' if step is None else f' step {step}'} to {self.directory}: "
+            f"{why}; {kept}. Nothing "
+            "half-written is ever restored. Free space (or fix the directory) and resume with the same --workdir."
+        )
+        raise self.error from error
+
+    def _committed_steps(self) -> list[int]:
+        """The steps on disk (a save in progress or failed is a temporary directory, never a step); no collective."""
+        try:
+            return sorted(int(p) for p in os.listdir(self.directory) if p.isdigit())
+        except OSError:
+            return []
+
+    def poll(self) -> CheckpointWriteError | None:
+        """Without blocking: the error of an asynchronous save that has failed (None while it runs or when it
+        succeeded). Cheap enough to call every step."""
+        if self.error is not None:
+            return self.error
+        if self._pending is None or not self._save_finished():
+            return None
+        try:
+            self.wait()
+        except CheckpointWriteError as e:
+            return e
+        return None
+
+    def _save_finished(self) -> bool:
+        """Whether the background save has ended (success or failure), from orbax's finalize thread."""
+        thread = getattr(self.manager, "_finalize_thread", None)
+        try:
+            return bool(thread.map(lambda t: t is None or not t.is_alive()))
+        except Exception:  # another orbax version: the failure shows at the next save or wait instead
+            return False
 
     def _check_compatible(self, step: int, name: str, target: Any) -> None:
         """Raise IncompatibleCheckpointError if item ``name`` of ``step`` has other keys / shapes / dtypes than
@@ -264,9 +413,25 @@ class Checkpointer:
         self.manager.reload()
 
     def wait(self) -> None:
-        """Block until pending asynchronous saves are on disk."""
-        self.manager.wait_until_finished()
+        """Block until pending asynchronous saves are on disk; CheckpointWriteError if one failed."""
+        if self.error is not None:
+            raise self.error
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            self._failed(self._pending, e)
+        self._pending = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for pending saves and release orbax's threads; a save failure is raised (once: a failure already
+        reported by save / poll / wait is not raised again)."""
+        reported = self.error is not None
+        try:
+            if not reported:
+                self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:
+                if not (reported or self.error is not None):
+                    raise

@@ -45,6 +45,10 @@ def _raise_timeout(signum, frame):
 
 def _init_worker() -> None:
     signal.signal(signal.SIGALRM, _raise_timeout)
+    # A scheduler's SIGTERM (SLURM signals every process of the step) or a terminal's Ctrl-C (the whole process group)
+    # must not kill the workers mid-step: the main process finishes the step, saves, and shuts the pool down.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _score_chunk(score_fn: ScoreFn, pairs: list[tuple[str, str]], timeout_s: float) -> list[tuple[float, int]]:
