@@ -41,8 +41,8 @@ from tlt_jax.speculative import NgramDrafter
 class RolloutEngine:
     """Generates GRPO groups with a causal LM on one mesh slice.
 
-    model: a CausalLM (its parameters are placed on ``mesh`` with ``shard_module``, by the same logical rules as training;
-    the decode batch is sharded on 'data'/'fsdp' where the bucket divides). max_batch: rows decoded together (a
+    model: a CausalLM (its parameters are placed on ``mesh`` with ``shard_module``, by the logical rules training
+    uses; the decode batch is sharded on 'data'/'fsdp' where the bucket divides). max_batch: rows decoded together (a
     wave). max_len: KV-cache capacity per row (prompt + generated). chunk_size: decode steps per host round trip.
     batch_buckets / length_buckets: the shapes compiled steps are specialised to. precompile: compile every decode
     and compaction step ahead of time (prefill compiles on first use, its shape depends on the call).
