@@ -5,7 +5,8 @@
 Task: small additions (reasoning-gym ``basic_arithmetic``, a + b with 1-2 digit operands, disjoint train / held-out
 seeds), asked to think step by step and end with "The answer is N."; the reward is exact-match correctness, so the
 "reward" and "acc" columns agree (``--config.reward.format_weight=0.5`` adds a format reward for "The answer is N."
-statements; accuracy stays exact match). Responses end by themselves: most within a few dozen tokens, a few at the 256 cap.
+statements; accuracy stays exact match). Responses end by themselves: most within a few dozen tokens, a few at the
+256 cap.
 
 Rollout: TLT's adaptive engine. A bandit per batch bucket picks plain decoding or an EAGLE tree from measured
 tokens/s (``rollout.spec_arms``), exploring only while its ledger's loss against plain decoding stays under 5 % of

@@ -216,8 +216,8 @@ def _gsm_file_cfg(train_path, *extra):
         "--config.data.chat_template=False",
         "--config.data.max_prompt_len=512",
         "--config.rollout.max_new_tokens=8",
-        "--config.rollout.samples_per_prompt=2",
-        "--config.rl.micro_batch_size=2",
+        "--config.rollout.samples_per_prompt=4",
+        "--config.rl.micro_batch_size=8",  # a multiple of the 8 devices of the batch axes
         "--config.reward.num_workers=1",
         "--config.train.num_steps=1",
         "--config.metrics.tensorboard=False",
@@ -249,6 +249,22 @@ def test_gsm8k_file_with_malformed_rows_counts_them(tmp_path):
 def test_config_error_is_raised_before_work(tmp_path):
     with pytest.raises(ConfigError, match="micro_batch_size"):
         _cfg("tiny.py", "--config.rl.micro_batch_size=5")
+
+
+def test_micro_batch_that_does_not_divide_the_batch_axes_is_a_config_error(tmp_path):
+    """8 devices on the data axis, micro-batches of 4 sequences: an error naming the key, before the model loads."""
+    cfg = _cfg("tiny.py", "--config.rl.micro_batch_size=4")
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"config\.rl\.micro_batch_size: 4 does not divide .* fsdp = 8 devices"):
+        run(cfg, str(tmp_path))
+    assert time.perf_counter() - t0 < 5 and not (tmp_path / "checkpoints").exists()
+
+
+def test_final_row_reports_peak_resident_memory(tmp_path, capsys):
+    run(_cfg("tiny.py", "--config.eval.at_start=False", "--config.train.num_steps=1"), str(tmp_path))
+    (final,) = [r for r in read_metrics(str(tmp_path)) if r["kind"] == "final"]
+    assert 0 < final["memory/peak_rss_gib"] < 64
+    assert f"peak resident memory {final['memory/peak_rss_gib']:.2f} GiB" in capsys.readouterr().out
 
 
 def test_non_default_knobs_end_to_end(tmp_path):
@@ -292,8 +308,8 @@ def test_gsm_symbolic_source_with_hf_model(tmp_path):
         "--config.data.chat_template=False",
         "--config.data.max_prompt_len=1024",
         "--config.rollout.max_new_tokens=4",
-        "--config.rollout.samples_per_prompt=2",
-        "--config.rl.micro_batch_size=2",
+        "--config.rollout.samples_per_prompt=4",
+        "--config.rl.micro_batch_size=8",  # a multiple of the 8 devices of the batch axes
         "--config.reward.num_workers=1",
         "--config.train.num_steps=1",
         *_NO_DRAFTER,

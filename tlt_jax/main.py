@@ -118,6 +118,14 @@ from tlt_jax.builders import (  # noqa: E402
 )
 
 
+def _peak_rss_gib() -> float:
+    """This process's peak resident set size so far, in GiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
 def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     out = []
     for k in sorted(set(old) | set(new)):
@@ -154,7 +162,7 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
     from tlt_jax.metrics.plots import write_plots
     from tlt_jax.metrics.records import append_lengths, drop_steps_after
     from tlt_jax.metrics.writers import COLUMNS
-    from tlt_jax.rl.learner import GRPOLearner
+    from tlt_jax.rl.learner import GRPOLearner, check_micro_batch
 
     t_start = time.perf_counter()
     workdir = os.path.abspath(workdir)
@@ -169,6 +177,7 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
             log.warning("workdir %s was run with a different config: %s", workdir, "; ".join(diff))
 
     mesh = make_mesh(cfg.mesh)
+    check_micro_batch(cfg, mesh)  # before the model loads: a micro-batch must split over the batch axes
     model, tokenizer = build_model(cfg, mesh)
     data = build_data(cfg, tokenizer, model.config)
     reward_fn = ProcessShardedReward(build_reward(cfg, tokenizer))  # each process scores the prompts it read
@@ -323,12 +332,14 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
         if exported:
             progress.write(f"adapted drafter (EAGLE layout): {exported}")
         final["time/total_s"] = time.perf_counter() - t_start
+        final.update(reduce_metrics({"memory/peak_rss_gib": _peak_rss_gib()}))  # the largest over the processes
         writer.write(cfg.train.num_steps, final, kind="final")
         if primary:
             write_plots(workdir)  # the final evaluation joins the held-out accuracy curve
         progress.write(
             f"final evaluation accuracy: {final['eval/accuracy']:.4f} on {len(data.eval)} held-out prompts "
-            f"(greedy; total {final['time/total_s']:.0f} s); plots in {os.path.join(workdir, 'plots')}"
+            f"(greedy; total {final['time/total_s']:.0f} s; peak resident memory "
+            f"{final['memory/peak_rss_gib']:.2f} GiB); plots in {os.path.join(workdir, 'plots')}"
         )
     finally:
         progress.close()

@@ -91,8 +91,9 @@ def reduce_metrics(
     metrics: Mapping[str, float], must_agree: tuple[str, ...] = ("reward/", "response/", "train/")
 ) -> dict[str, float]:
     """The same metrics on every process: ``time/*`` (wall-clock, differs per host) is the slowest process's,
-    everything else the mean. Metrics under ``must_agree`` come from the gathered rollout and the shared update, so
-    they must be bitwise equal everywhere; a difference means the processes' host-side decisions diverged."""
+    ``memory/*`` the largest, everything else the mean. Metrics under ``must_agree`` come from the gathered rollout and
+    the shared update, so they must be bitwise equal everywhere; a difference means the processes' host-side decisions
+    diverged."""
     if jax.process_count() == 1:
         return dict(metrics)
     keys = sorted(metrics)
@@ -110,7 +111,8 @@ def reduce_metrics(
                 f"processes diverged: metric {k!r} is {col.tolist()} on processes 0..{len(col) - 1}; every process "
                 "must run the same rollout and update (same global batch, same host-side decisions)"
             )
-    return {k: float(vals[:, i].max() if k.startswith("time/") else vals[:, i].mean()) for i, k in enumerate(keys)}
+    largest = ("time/", "memory/")
+    return {k: float(vals[:, i].max() if k.startswith(largest) else vals[:, i].mean()) for i, k in enumerate(keys)}
 
 
 class ProcessShardedReward:

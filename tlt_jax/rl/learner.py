@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from tlt_jax.config import Config
+from tlt_jax.config import Config, ConfigError
 from tlt_jax.distributed import LogicalRules
 from tlt_jax.distributed.multihost import to_host
 from tlt_jax.rewards import RewardFn, example_max_new_tokens
@@ -32,7 +32,21 @@ __all__ = [
     "GRPOLearner",
     "bucket_length",
     "build_sequences",
+    "check_micro_batch",
 ]
+
+
+def check_micro_batch(cfg: Config, mesh: Mesh, rules: LogicalRules = LogicalRules()) -> None:
+    """A micro-batch (of the update and of the log-prob passes) is split over the batch axes (data x fsdp): one that
+    does not divide over them would be replicated silently by XLA, so it is a config error, raised before any work."""
+    axes = [a for a in rules.lookup("batch") if a in mesh.shape]
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+    micro = cfg.rl.micro_batch_size
+    if micro % size:
+        raise ConfigError(
+            f"config.rl.micro_batch_size: {micro} does not divide over the mesh's batch axes "
+            f"{' x '.join(axes)} = {size} devices: use a multiple of {size} (or fewer devices)"
+        )
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -88,6 +102,7 @@ class GRPOLearner:
     """
 
     def __init__(self, cfg: Config, model, engine, reward_fn: RewardFn, *, mesh: Mesh, rules=LogicalRules()):
+        check_micro_batch(cfg, mesh, rules)
         self.cfg, self.engine, self.reward_fn, self.mesh, self.rules = cfg, engine, reward_fn, mesh, rules
         # The run's key (key data): every rollout seed derives from it. A resumed run takes the checkpoint's.
         self.run_key = np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed)))
