@@ -140,6 +140,32 @@ def two(model):
     rollout.close()
 
 
+def test_slices_bandits_get_distinct_deterministic_seeds(model):
+    from tlt_jax.rollout import RolloutEngine, SpecConfig
+
+    spec = SpecConfig(arms=("off", "ngram:3x2x6"), seed=7)
+    mesh = make_mesh(MeshConfig(data=8))
+    kw = dict(spec=spec, max_batch=8, max_len=64, length_buckets=(64,), compiler_options=FAST)
+
+    def bandits(r):
+        rollout = SlicedRollout(model, mesh, r, **kw)
+        try:
+            return [e.bandit.config.seed for e in rollout.engines], [e.state_dict()["bandit"]["rng"]
+                                                                       for e in rollout.engines]
+        finally:
+            rollout.close()
+
+    seeds, rngs = bandits(4)
+    assert len(set(seeds)) == 4 and len({json.dumps(g, sort_keys=True) for g in rngs}) == 4
+    assert (seeds, rngs) == bandits(4)  # a rebuild (or another process) gets the same bandits
+    single = RolloutEngine(model, mesh, **kw)
+    try:  # slice 0 (and a one-slice rollout) is seeded as a single engine
+        assert seeds[0] == single.bandit.config.seed == 7 and rngs[0] == single.state_dict()["bandit"]["rng"]
+    finally:
+        single.close()
+    assert bandits(1) == (seeds[:1], rngs[:1])
+
+
 @pytest.mark.slow
 def test_two_slices_match_one(model, two):
     params = SamplingParams(temperature=1.0, top_k=50, n=2, max_new_tokens=[5, 30, 12, 3, 20], seed=11,

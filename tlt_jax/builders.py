@@ -239,10 +239,11 @@ def fresh_eagle_drafter(cfg, model_config):
 def adaptive_spec(cfg, model_config) -> dict:
     """Engine arguments of ``rollout.speculative="adaptive"``: the bandit over ``rollout.spec_arms``, with the EAGLE
     drafter of ``rollout.drafter_path`` (or a fresh one that trains online) when an arm needs it. Seeded by
-    train.seed, so every process (and a rerun) takes the same decisions from the same measurements. A speculative
-    step met for the first time is compiled in the background once the rollout has returned (``background_compile``,
-    ``compile_between_calls``: beside the policy update), so the rollout never waits for, nor shares its host with,
-    a program that plain decoding does not need; the arm is usable from the next rollout."""
+    train.seed (offset per slice: ``controller.slices.slice_spec``), so every process (and a rerun) takes the same
+    decisions from the same measurements. A speculative step met for the first time is compiled in the background
+    once the rollout has returned (``background_compile``, ``compile_between_calls``: beside the policy update), so
+    the rollout never waits for, nor shares its host with, a program that plain decoding does not need; the arm is
+    usable from the next rollout."""
     from tlt_jax.adaptive import parse_arms
     from tlt_jax.rollout import SpecConfig
 

@@ -27,6 +27,8 @@ _SUMMED = ("total_tokens", "hidden_bytes", "hidden_dropped", "tail_seconds", "sd
            "verify_steps", "decode_seconds", "prefill_seconds", "compile_seconds_this_call",
            "background_compile_seconds_this_call", "steps")
 
+_SLICE_SEED_STRIDE = 1_000_003  # bandit seed offset between slices (a prime: slices of nearby train.seeds differ)
+
 
 def assign_prompts(num_prompts: int, num_slices: int) -> list[list[int]]:
     """Deterministic split of prompt indices into ``num_slices`` contiguous blocks whose sizes differ by at most one
@@ -40,6 +42,15 @@ def assign_prompts(num_prompts: int, num_slices: int) -> list[list[int]]:
         out.append(list(range(start, start + size)))
         start += size
     return out
+
+
+def slice_spec(spec, s: int):
+    """Slice ``s``'s SpecConfig: an adaptive spec's bandit seed offset by the slice index (slice 0 keeps ``spec.seed``,
+    so one slice is the single engine), so slices' bandits explore with different draws; a function of the config
+    alone (not of the process), so every process builds the same bandits. Other specs (or None) are unchanged."""
+    if spec is None or not spec.adaptive or s == 0:
+        return spec
+    return dataclasses.replace(spec, seed=spec.seed + _SLICE_SEED_STRIDE * s)
 
 
 @dataclasses.dataclass
@@ -57,14 +68,16 @@ class SlicedRollout:
     """R rollout engines on disjoint slices of ``mesh`` (split along ``axis``, see ``split_mesh``).
 
     ``engine_kwargs`` go to every RolloutEngine (max_batch, max_len, capture, drafter, spec, ...); a HiddenCapture's
-    max_bytes applies per slice.
+    max_bytes applies per slice. An adaptive spec's bandit seed is made per slice (``slice_spec``).
     """
 
     def __init__(self, model, mesh: Mesh, num_slices: int, *, axis: str = "data", **engine_kwargs: Any):
         if num_slices < 1:
             raise ValueError(f"num_slices must be >= 1, got {num_slices}")
         self.meshes = split_mesh(mesh, num_slices, axis) if num_slices > 1 else [mesh]
-        self.engines = [RolloutEngine(model, m, **engine_kwargs) for m in self.meshes]
+        spec = engine_kwargs.pop("spec", None)
+        self.engines = [RolloutEngine(model, m, spec=slice_spec(spec, s), **engine_kwargs)
+                        for s, m in enumerate(self.meshes)]
         self.workers = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"slice{s}")
                         for s in range(num_slices)]
 
