@@ -12,11 +12,11 @@ Rollout: TLT's adaptive engine. A bandit per batch bucket picks plain decoding o
 tokens/s (``rollout.spec_arms``), exploring only while its ledger's loss against plain decoding stays under 5 % of
 plain's time (``rollout.spec_max_loss``), starting from the warmed-up drafter shipped with the package
 (``rollout.drafter_path="eagle-smollm2-gsm"``), and that drafter trains online on the policy's own responses
-(``drafter.online``: on one CPU device no slice is ever idle, so ``drafter.steps_without_idle`` steps run after each
-rollout, shown in the "draft s" column). GRPO as in configs/base.py ``tlt_grpo`` (clip 0.2, token-mean, grad clip 1.0)
-without the KL term (no reference pass, as Dr. GRPO / DAPO; TLT's recipe uses 0.001), temperature 0.7 and a learning
-rate a 135M model moves with in a few steps. On a GPU, scale up with e.g. --config.data.prompts_per_step=64
---config.rollout.samples_per_prompt=8.
+(``drafter.online``: on one CPU device no slice is ever idle, so ``drafter.steps_without_idle`` steps, 4 by default,
+run after each rollout, shown in the "draft s" and "crit s" columns). GRPO as in configs/base.py ``tlt_grpo`` (clip
+0.2, token-mean, grad clip 1.0) without the KL term (no reference pass, as Dr. GRPO / DAPO; TLT's recipe uses 0.001),
+temperature 0.7 and a learning rate a 135M model moves with in a few steps. On a GPU, scale up with e.g.
+--config.data.prompts_per_step=64 --config.rollout.samples_per_prompt=8.
 
 Measured (2026-11-28, fresh clone and venv on the 2-core x86 CPU VM, README's command with stdout redirected to a
 file: 9 min 32 s including the install, 521 s for the job; console log and metrics in

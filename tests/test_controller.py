@@ -97,6 +97,28 @@ def test_min_idle_slices_no_data_and_steps_without_idle():
     assert sched.train_steps == [5, 0]
 
 
+@pytest.mark.parametrize("ends", [(1.0, 2.25), (0.3, 1.1, 2.0, 5.7), (4.0, 1.0)])
+def test_default_steps_without_idle_keeps_several_slices_off_the_critical_path(ends):
+    """drafter.steps_without_idle = -1 (the default): 4 with one slice, 0 with several; with several slices drafter
+    work after the last shard is at most the step in flight, whatever the timings."""
+    from tlt_jax.config import ConfigError, from_config_dict, to_config_dict
+    from tlt_jax.rollout_config import DrafterConfig
+
+    d = DrafterConfig()
+    assert d.steps_without_idle == -1 and d.resolved_steps_without_idle(1) == 4
+    assert d.resolved_steps_without_idle(2) == d.resolved_steps_without_idle(8) == 0
+    assert DrafterConfig(steps_without_idle=3).resolved_steps_without_idle(2) == 3
+    step = 0.7
+    _, m = simulate(list(ends), step, ControllerConfig(steps_without_idle=d.resolved_steps_without_idle(len(ends))))
+    assert m["controller/train_steps"] > 0 and 0 <= m["controller/overhang_s"] <= step
+    _, m = simulate([2.0], step, ControllerConfig(steps_without_idle=d.resolved_steps_without_idle(1)))
+    assert m["controller/overhang_s"] == pytest.approx(4 * step)  # one slice: the 4 steps after the rollout
+    cd = to_config_dict()
+    cd.drafter.steps_without_idle = -2
+    with pytest.raises(ConfigError, match=r"drafter.steps_without_idle: must be >= 0 drafter steps, or -1"):
+        from_config_dict(cd)
+
+
 def test_scheduler_rejects_bad_events():
     sched = SliceScheduler(2)
     sched.start(0.0)

@@ -42,7 +42,7 @@ def test_online_drafter_and_slices_leave_rl_metrics_unchanged(tmp_path):
         "off": (),
         "on": ("--config.drafter.online=True", "--config.drafter.lr=3e-3"),
         "on2": ("--config.drafter.online=True", "--config.drafter.lr=3e-3", "--config.rollout.num_slices=2",
-                "--config.drafter.hot_swap=True"),
+                "--config.drafter.hot_swap=True", "--config.drafter.steps_without_idle=4"),
     }
     for name, overrides in runs.items():
         run(_cfg("tiny.py", *common, *overrides), str(tmp_path / name))
@@ -54,6 +54,8 @@ def test_online_drafter_and_slices_leave_rl_metrics_unchanged(tmp_path):
             assert r["drafter/steps"] >= 4 and np.isfinite(r["drafter/loss"]), (name, step, r)
             assert r["drafter/buffer_tokens"] > 0 and r["drafter/dropped"] == 0
             assert r["controller/busy_s"] > 0 and r["controller/train_s"] > 0
+            # what drafter work added after the last shard: the steps after the rollout and the replicas' average
+            assert r["drafter/critical_s"] >= r["controller/overhang_s"] > 0, (name, step, r)
         assert "drafter/steps" not in rows["off"][step]
     # Whether a drafter step ends while the other slice still decodes depends on timing (all responses here are 16
     # tokens); the swap itself is tested deterministically below.

@@ -244,7 +244,8 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
     writer.write_config(config_json)
     if primary:
         drop_steps_after(workdir, start)  # lengths / timeline rows of steps redone after a resume
-    drafter_cols = (("drafter", "drafter/steps", "{:>7.0f}"), ("draft s", "controller/train_s", "{:>7.2f}"))
+    drafter_cols = (("drafter", "drafter/steps", "{:>7.0f}"), ("draft s", "controller/train_s", "{:>7.2f}"),
+                    ("crit s", "drafter/critical_s", "{:>6.2f}"))
     format_col = (("format", "reward/format", "{:>6.3f}"),) if cfg.reward.format_weight > 0 else ()
     columns = COLUMNS[:3] + format_col + COLUMNS[3:] + (drafter_cols if cfg.drafter.online else ())
     table = ConsoleTable(

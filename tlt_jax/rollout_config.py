@@ -137,17 +137,19 @@ class DrafterConfig:
     """TLT's adaptive drafter: with ``online`` the EAGLE drafter of the rollout trains during RL on the policy's
     hidden states of the current and previous step's responses (a buffer of ``buffer_bytes``), on slices that
     finished their rollout share early, plus ``steps_without_idle`` steps after the rollout on slice 0 (one slice
-    is never idle). Each drafter step packs ``rows`` x ``row_len`` tokens of the last ``window`` positions of each
-    response; a response that fits the window comes with up to ``prompt_context`` positions of its prompt before it,
-    attended to but not trained on (when drafting, the drafter attends to the prompt too; without it, short
-    responses that copy numbers from the question train the drafter to guess them). Rollout samples do not change
-    (verification is lossless); only the accept length does."""
+    is never idle; -1, the default, means 4 with one slice and 0 with several, so that with several slices drafter
+    work adds at most the drafter step in flight to the RL step: ``drafter/critical_s``). Each drafter step packs
+    ``rows`` x ``row_len`` tokens of the last ``window`` positions of each response; a response that fits the window
+    comes with up to ``prompt_context`` positions of its prompt before it, attended to but not trained on (when
+    drafting, the drafter attends to the prompt too; without it, short responses that copy numbers from the question
+    train the drafter to guess them). Rollout samples do not change (verification is lossless); only the accept
+    length does."""
 
     online: bool = False
     lr: float = 3e-4
     buffer_bytes: int = 64 * 2**20
     window: int = 64
-    steps_without_idle: int = 4
+    steps_without_idle: int = -1
     rows: int = 8
     row_len: int = 256
     prompt_context: int = 128
@@ -157,8 +159,16 @@ class DrafterConfig:
         _require(self.lr > 0 and not math.isnan(self.lr), f"{key}.lr", f"must be > 0, got {self.lr}")
         _require(self.buffer_bytes > 0, f"{key}.buffer_bytes", f"must be > 0 bytes, got {self.buffer_bytes}")
         _require(self.window >= 2, f"{key}.window", f"must be >= 2 positions (one training pair), got {self.window}")
-        _require(self.steps_without_idle >= 0, f"{key}.steps_without_idle", "must be >= 0")
+        _require(self.steps_without_idle >= -1, f"{key}.steps_without_idle",
+                 f"must be >= 0 drafter steps, or -1 (4 with one slice, 0 with several), got {self.steps_without_idle}")
         _require(self.rows >= 1, f"{key}.rows", f"must be >= 1, got {self.rows}")
         _require(self.row_len >= 2, f"{key}.row_len", f"must be >= 2, got {self.row_len}")
         _require(self.prompt_context >= 0, f"{key}.prompt_context",
                  f"must be >= 0 prompt positions (0 = responses only), got {self.prompt_context}")
+
+    def resolved_steps_without_idle(self, num_slices: int) -> int:
+        """``steps_without_idle`` with -1 resolved: 4 with one rollout slice (never idle mid-rollout), 0 with several
+        (they train while others decode; after the rollout only the drafter step in flight finishes)."""
+        if self.steps_without_idle >= 0:
+            return self.steps_without_idle
+        return 4 if num_slices == 1 else 0

@@ -55,6 +55,7 @@ class Controller:
         self.rollout, self.trainer, self.buffer, self.cfg = rollout, trainer, buffer, cfg
         self.workdir = None if workdir is None else os.fspath(workdir)
         self.scheduler = SliceScheduler(rollout.num_slices, cfg)
+        self.rollout_ended_at = 0.0  # time.perf_counter() when the last run_step's last shard ended
 
     def _batch(self, step: int, s: int, k: int):
         seed = (step * 1_000_003 + s * 7_919 + k) % 2**32
@@ -128,6 +129,7 @@ class Controller:
                 self.trainer.replicas.clear()
             raise error
         metrics = sched.finish(now())
+        self.rollout_ended_at = t0 + sched.rollout_end
         if self.cfg.hot_swap:
             metrics["controller/hot_swaps"] = float(swaps)
         if training:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -90,6 +91,9 @@ class ControlledRollout:
             m["drafter/train_top1"] = m.pop("drafter/top1", float("nan"))
             m["drafter/top1"] = self.heldout_top1(step, before)
             self.publish_drafter()
+            # What drafter work added to the RL step: from the last shard's end to here (the drafter steps still in
+            # flight or run after the rollout, averaging the replicas, the held-out top-1, publishing).
+            m["drafter/critical_s"] = time.perf_counter() - self.controller.rollout_ended_at
         self.metrics = m
         return res
 
@@ -194,8 +198,8 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
         rollout = SlicedRollout(model, mesh, r.num_slices, **engine_kwargs)
     except ValueError as e:
         raise ConfigError(f"config.rollout.num_slices: {e}") from e
-    ccfg = ControllerConfig(train_drafter=d.online, steps_without_idle=d.steps_without_idle, row_len=d.row_len,
-                            rows=d.rows, hot_swap=d.hot_swap)
+    ccfg = ControllerConfig(train_drafter=d.online, steps_without_idle=d.resolved_steps_without_idle(r.num_slices),
+                            row_len=d.row_len, rows=d.rows, hot_swap=d.hot_swap)
     trainer = buffer = None
     if d.online:
         trainer = SpotTrainer(engine_kwargs["drafter"], rollout.meshes, rollout.policy,
