@@ -17,7 +17,8 @@ from tlt_jax.distributed.runtime import LaunchSpec, first_slurm_host, resolve_la
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LOCAL_SH = REPO / "launch" / "local.sh"
 NONDETERMINISTIC = (
-    "time/", "rollout/tokens_per_s", "rollout/compile_s", "rollout/background_compile_s", "eval/seconds"
+    "time/", "rollout/tokens_per_s", "rollout/compile_s", "rollout/background_compile_s", "eval/seconds",
+    "drafter/critical_s",
 )
 
 # A jax.distributed program that starts like the main job, reports its pid, then runs collectives until killed.
