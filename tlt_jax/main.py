@@ -69,9 +69,10 @@ class Stopped(Exception):
 
 def _quiet_failed_save_noise() -> None:
     """A failed background save is reported by the Checkpointer as one line (CheckpointWriteError); drop the noise
-    the same failure makes on the console: orbax logs it with its traceback (several times), tensorstore writes
-    still in flight when orbax closes its event loop each print "RuntimeError: Event loop is closed" when they end,
-    and Python warns about the save's coroutines that never ran."""
+    the same failure makes on the console: orbax logs it with its traceback (several times), asyncio reports the
+    failed writes' futures as "exception was never retrieved" when they are collected, tensorstore writes still in
+    flight when orbax closes its event loop each print "RuntimeError: Event loop is closed" when they end, and Python
+    warns about the save's coroutines that never ran."""
     import logging as std_logging
 
     class _Filter(std_logging.Filter):
@@ -79,6 +80,13 @@ def _quiet_failed_save_noise() -> None:
             return not (record.exc_info and f"{os.sep}orbax{os.sep}" in (record.pathname or ""))
 
     std_logging.getLogger("absl").addFilter(_Filter())
+
+    class _OrphanedWrites(std_logging.Filter):  # the failed writes' futures, reported when collected (at exit)
+        def filter(self, record):
+            text = record.getMessage()
+            return not ("exception was never retrieved" in text and ".orbax-checkpoint-tmp" in text)
+
+    std_logging.getLogger("asyncio").addFilter(_OrphanedWrites())
     # ... and the coroutines it had made for the save and never ran, reported when they are collected.
     import warnings
 
