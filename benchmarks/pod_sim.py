@@ -7,11 +7,14 @@ step costs for Qwen2.5-7B / 32B on H100; the pod spreads one step's responses ov
 slowest engine as the rollout time, adds the policy's log-prob and update passes, and counts the device-seconds the
 other engines wait: TLT trains the drafter there, and the drafter's staleness sets its acceptance).
 
-Imports run one way: ``pod_sim`` (this command line) -> ``pod_sim_measure`` / ``pod_sim_roofline`` ->
-``pod_sim_model``; nothing imports this file.
+Imports run one way: ``pod_sim`` (this command line) -> ``pod_sim_measure`` / ``pod_sim_gpu`` (GPU-measured costs,
+on ``pod_sim_roofline``) / ``pod_sim_roofline`` -> ``pod_sim_model``; nothing imports this file.
 
     python benchmarks/pod_sim.py                    # CPU validation (tiny, SmolLM2, speculative) + projections
     python benchmarks/pod_sim.py --models= --spec=0  # projections only (minutes); both write results/pod_sim.json
+    python benchmarks/pod_sim.py --step_costs       # one verify step against one plain step per engine call, printed
+    python benchmarks/pod_sim.py --gpu_costs=PATH [--gpu_run=results/gpu/tlt_smollm2.json] [--gpu_project]
+        # GPU-measured step costs (format: pod_sim_gpu.py) -> results/gpu/pod_sim_gpu.json (CPU parts not run)
 """
 
 from __future__ import annotations
@@ -61,8 +64,24 @@ def main(argv=None) -> int:
         help="validation clock: process CPU seconds (robust to other users' load on a shared machine) or wall seconds",
     )
     ap.add_argument("--spec", type=int, default=1, help="also validate a speculative tail (SmolLM2 + EAGLE); 0 = skip")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pod_sim.json"))
+    ap.add_argument("--step_costs", action="store_true", help="print the roofline's verify / plain step costs, exit")
+    ap.add_argument(
+        "--gpu_costs",
+        default="",
+        help="GPU-measured step costs (pod_sim_gpu.py's format or suite.json; "
+        "PATH#KEY for a key of a file): predict and validate on them instead of the CPU parts",
+    )
+    ap.add_argument("--gpu_variant", default=None, help="with a suite.json: its decode variant (default the fastest)")
+    ap.add_argument("--gpu_run", default="", help="a gpu_tlt.py result to validate the GPU costs against")
+    ap.add_argument("--gpu_arm", default="5x1x6", help="tree of the speculative e2e modes in the validation")
+    ap.add_argument("--gpu_project", action="store_true", help="also the 7B / 32B projection on fitted hardware")
+    ap.add_argument("--out", default=None, help="default results/pod_sim.json (--gpu_costs: results/gpu/...)")
     args = ap.parse_args(argv)
+    if args.step_costs:
+        return _step_costs()
+    if args.gpu_costs:
+        return _gpu(args, sys.argv[1:] if argv is None else argv)
+    args.out = args.out or str(Path(__file__).parent / "results" / "pod_sim.json")
     import jax
 
     jax.config.update("jax_compilation_cache_dir", str(Path(__file__).resolve().parents[1] / ".jax_cache"))
@@ -125,6 +144,52 @@ def main(argv=None) -> int:
             f"{r['tlt_rollout_speedup']:.2f}x | {r['tlt_step_speedup']:.2f}x |"
         )
     print(json.dumps(results["paper_checks"], indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def _step_costs() -> int:
+    """Batch 1, TLT's 8x4x48 tree at 6.53 tokens per verify: a verify step over a plain step as the engine calls
+    them (4-step verify calls, 8-step plain chunks, a round trip each) and the decode speedup that leaves."""
+    arm = Arm(depth=8, topk=4, verify_tokens=48, accept=6.53)
+    print("| model | TP | cache positions | verify step / plain step | batch-1 decode speedup |")
+    print("| --- | --- | --- | --- | --- |")
+    for model, tp in ((rf.QWEN25_7B, 4), (rf.QWEN25_7B, 1), (rf.QWEN25_32B, 8)):
+        for length in (2048, 8192, 32768):
+            r = rf.verify_step_cost(model, tp, arm, length)
+            print(f"| {model.name} | {tp} | {length} | {r['verify_over_plain']:.2f} | {r['speedup']:.2f}x |")
+    return 0
+
+
+def _gpu(args, argv) -> int:
+    import json
+
+    import pod_sim_gpu as pg
+
+    costs = pg.load(args.gpu_costs, args.gpu_variant)
+    run = json.loads(Path(args.gpu_run).read_text()) if args.gpu_run else None
+    res = pg.report(costs, run, arm_name=args.gpu_arm, project=args.gpu_project, paper=PAPER_NODES)
+    res["command"] = "python benchmarks/pod_sim.py " + " ".join(argv)
+    out = Path(args.out or Path(__file__).parent / "results" / "gpu" / "pod_sim_gpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    for r in res.get("sd_speedup", []):
+        if "failed" not in r:
+            print(
+                f"T={r['temperature']} batch {r['batch']} {r['arm']}: predicted {r['predicted']:.2f}x, measured "
+                f"{r['measured']:.2f}x ({100 * r['error']:+.1f} %)"
+            )
+    for mode, r in res.get("e2e_rollout", {}).items():
+        if "failed" not in r:
+            print(
+                f"e2e {mode} rollouts: predicted {r['predicted']:.2f} s, measured {r['measured']:.2f} s "
+                f"({100 * r['error']:+.1f} %, within +-{100 * r['tolerance']:.0f} %: {r['within']})"
+            )
+    proj = res.get("projection", {})
+    if "error" in proj:
+        print(proj["error"])
+    elif proj:
+        _print_projection(proj["rows"])
     print(f"wrote {out}")
     return 0
 

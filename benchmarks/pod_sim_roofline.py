@@ -59,7 +59,8 @@ class Hardware:
     token) over the bf16 weight-read roofline (15.2 GB / 3.35 TB/s = 4.55 ms). draft_s 0.81 ms per tree-drafting
     forward: the paper's Qwen-32B, TP 4, batch-1 point (depth 10, top-4, 64 tokens: accept 8.29 at 3.51x, so a verify
     step costs 2.36 plain steps, the bare roofline 1.33). flop_eff, train_mfu, allreduce_s and roundtrip_s are
-    assumptions (stated in benchmarks/README.md)."""
+    assumptions (stated in benchmarks/README.md). verify_scale multiplies the policy's verify pass (1: the roofline;
+    pod_sim_gpu.calibrated_hardware fits it, bw_eff and draft_s to GPU-measured costs)."""
 
     name: str
     hbm_bytes_s: float
@@ -71,9 +72,11 @@ class Hardware:
     allreduce_s: float = 8e-6
     roundtrip_s: float = 3e-4
     draft_s: float = 8.1e-4
+    verify_scale: float = 1.0
 
 
 H100 = Hardware("H100 SXM5 80GB (3.35 TB/s HBM3, 989 TFLOP/s dense bf16: NVIDIA datasheet)", 3.35e12, 989e12, 80e9)
+H200 = Hardware("H200 SXM 141GB (4.8 TB/s HBM3e, 989 TFLOP/s dense bf16: NVIDIA datasheet)", 4.8e12, 989e12, 141e9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +114,8 @@ class Roofline:
     def verify(self, batch, length, steps, arm):
         draft = (arm.depth - 1) * self.drafter_fwd(batch, arm.topk, head=True)
         extend = self.drafter_fwd(batch, arm.accept, head=True)
-        step = draft + self.policy(batch, arm.verify_tokens, length) + extend + arm.depth * self.hw.draft_s
+        verify = self.hw.verify_scale * self.policy(batch, arm.verify_tokens, length)
+        step = draft + verify + extend + arm.depth * self.hw.draft_s
         return steps * step + self.hw.roundtrip_s
 
     def compact(self, src, dst):
@@ -279,3 +283,29 @@ def sd_speedup_check(
     c = Roofline(model, hw, tp, length, drafter=True)
     plain = Roofline(model, hw, tp, length).decode(batch, length, 1)
     return float(arm.accept * plain / c.verify(batch, length, 1, arm))
+
+
+def verify_step_cost(
+    model: ModelSpec,
+    tp: int,
+    arm: ps.Arm,
+    length: int,
+    batch: int = 1,
+    chunk_size: int = 8,
+    steps_per_call: int = 4,
+    hw: Hardware = H100,
+) -> dict:
+    """One verify step against one plain step as the engine calls them (a call of ``steps_per_call`` verify steps,
+    a plain chunk of ``chunk_size`` steps, a host round trip each), and the decode speedup at ``arm.accept``."""
+    spec = Roofline(model, hw, tp, length, drafter=True).verify(batch, length, steps_per_call, arm) / steps_per_call
+    plain = Roofline(model, hw, tp, length).decode(batch, length, chunk_size) / chunk_size
+    return dict(
+        model=model.name,
+        tp=tp,
+        length=length,
+        batch=batch,
+        tree=arm.name,
+        accept=arm.accept,
+        verify_over_plain=spec / plain,
+        speedup=arm.accept * plain / spec,
+    )

@@ -15,7 +15,7 @@ Blocks (see tlt_jax/config.py and tlt_jax/rollout_config.py for every field and 
   rollout     samples_per_prompt (GRPO n), temperature, top_k / top_p (off: RL rejects them), max_new_tokens,
               speculative (off | ngram | eagle | adaptive), drafter_path, spec_threshold / spec_depth / spec_topk /
               spec_verify_tokens (the fixed tree), spec_arms / spec_epsilon / spec_window / spec_patience /
-              spec_max_loss (the adaptive bandit), dtype, attention_impl, num_slices
+              spec_max_loss (the adaptive bandit), dtype, attention_impl, layers, num_slices
   drafter     online, lr, buffer_bytes, window, steps_without_idle, rows, row_len, prompt_context, hot_swap
   rl          advantage, policy_loss, clip_low/high, loss_agg_mode, kl_coef, kl_kind, mini_batch_prompts, epochs,
               micro_batch_size

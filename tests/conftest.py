@@ -1,14 +1,16 @@
 """Test-wide setup: 8 simulated CPU devices and a persistent compilation cache, set before JAX is imported."""
 
 import os
+from importlib.metadata import version
 
 # Tiny models: XLA's CPU backend spends far longer compiling a program than running it, so the tests (and the
 # processes they start, which inherit the environment) compile with LLVM's cheap pipeline and XLA's older fusion
 # emitters, whose code generation is several times cheaper than the default MLIR emitters' (a cold 2-slice online run,
-# tests/test_online_tail.py: 74 s of compiles -> 24 s); CI starts cold.
-_FAST_COMPILE = (
-    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
-)
+# tests/test_online_tail.py: 74 s of compiles -> 24 s); CI starts cold. jaxlib 0.11 (the Python 3.12 set) no
+# longer has the --xla_cpu_use_fusion_emitters flag (an unknown XLA flag aborts the process): LLVM's pipeline only.
+_FAST_COMPILE = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (0, 11):
+    _FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _FAST_COMPILE
 ).strip()

@@ -513,8 +513,9 @@ def test_resume_keeps_the_run_key_and_refuses_another_model(tmp_path, caplog):
 
 
 def test_rollout_layout_bf16_pallas(tmp_path):
-    """rollout.dtype / rollout.attention_impl reach the engine: it decodes a bfloat16 copy of the float32 policy with
-    the Pallas tree-attention kernel (interpret mode on CPU); the copy is re-made after the update (time/reshard_s)."""
+    """rollout.dtype / rollout.attention_impl / rollout.layers reach the engine: it decodes a bfloat16, unstacked copy
+    of the float32 policy with the Pallas tree-attention kernel (interpret mode on CPU); the copy is re-made after the
+    update (time/reshard_s)."""
     import jax
     import jax.numpy as jnp
 
@@ -525,6 +526,7 @@ def test_rollout_layout_bf16_pallas(tmp_path):
         "tiny.py",
         "--config.rollout.dtype=bfloat16",
         "--config.rollout.attention_impl=pallas",
+        "--config.rollout.layers=unstacked",
         "--config.train.num_steps=1",
         "--config.eval.at_start=False",
         "--config.eval.max_new_tokens=2",
@@ -534,12 +536,17 @@ def test_rollout_layout_bf16_pallas(tmp_path):
     engine = build_engine(cfg, model, mesh, build_data(cfg, tok, model.config))
     assert {x.dtype for x in jax.tree.leaves(engine.params)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(nnx_state(model))} == {jnp.dtype(jnp.float32)}  # masters untouched
-    assert nnx_merge(engine).attention_impl == "pallas"
+    assert nnx_merge(engine).attention_impl == "pallas" and engine.ctx.per_layer_cache
     run(cfg, str(tmp_path))
     row = _train_rows(tmp_path)[1]
     assert np.isfinite(row["train/loss"]) and row["time/reshard_s"] > 0
     with pytest.raises(ConfigError, match="rollout.attention_impl"):
         _cfg("tiny.py", "--config.rollout.attention_impl=triton")
+    with pytest.raises(ConfigError, match="rollout.layers"):
+        _cfg("tiny.py", "--config.rollout.layers=rolled")
+    auto = _cfg("tiny.py").rollout
+    assert (auto.layer_layout("gpu"), auto.layer_layout("cpu"), cfg.rollout.layer_layout("cpu")) == (
+        "unstacked", "stacked", "unstacked")
 
 
 def nnx_state(model):

@@ -192,6 +192,7 @@ def build_engine(cfg, model, mesh, data: Data, workdir: str | None = None):
     drafter loaded from ``rollout.drafter_path``, fixed for the run unless ``drafter.online``) it decodes
     speculatively once a wave has at most ``rollout.spec_threshold`` live rows, with the ``rollout.spec_*`` tree
     shape. With ``rollout.num_slices`` > 1 or ``drafter.online``: a ControlledRollout (see build_controlled)."""
+    import jax
     import jax.numpy as jnp
 
     from tlt_jax.rl.learner import bucket_length
@@ -216,7 +217,8 @@ def build_engine(cfg, model, mesh, data: Data, workdir: str | None = None):
             drafter = fresh_eagle_drafter(cfg, model.config)
         spec = dict(drafter=drafter, spec=tree)
     kwargs = dict(**spec, max_batch=max(rows, cfg.eval.batch_size), max_len=max_len,
-                  tail_threshold=max(1, rows // 4), attention_impl=r.attention_impl)
+                  tail_threshold=max(1, rows // 4), attention_impl=r.attention_impl,
+                  layers=r.layer_layout(jax.default_backend()))
     if r.dtype:
         kwargs["dtype"] = jnp.dtype(r.dtype)
     if r.num_slices > 1 or cfg.drafter.online:

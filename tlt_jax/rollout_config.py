@@ -15,6 +15,7 @@ from tlt_jax.typed_config import require as _require
 
 DTYPES = ("float32", "bfloat16")
 SPECULATIVE = ("off", "ngram", "eagle", "adaptive")
+LAYERS = ("auto", "stacked", "unstacked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,9 @@ class RolloutConfig:
     # time/reshard_s) with attention by "xla" or the "pallas" tree-attention kernel (decode / verify only).
     dtype: str = ""
     attention_impl: str = "xla"
+    # "stacked" (scanned, as the trainer holds them), "unstacked" (one array per layer, the layers run unrolled: on
+    # GPU no per-step copies of stacked weight slices) or "auto" (unstacked on GPU, stacked elsewhere).
+    layers: str = "auto"
     num_slices: int = 1  # split the mesh's data axis into this many rollout slices (one engine each; see drafter)
     # speculative="adaptive": a bandit per batch bucket picks one of spec_arms (comma-separated: "off" = plain, and
     # "ngram:DxKxN" / "eagle:DxKxN" tree shapes; eagle needs drafter_path) per chunk from measured tokens/s; epsilon:
@@ -60,10 +64,17 @@ class RolloutConfig:
     spec_patience: int = 0
     spec_max_loss: float = 0.05
 
+    def layer_layout(self, backend: str) -> str:
+        """The engines' layer layout on ``backend`` (jax.default_backend()): "auto" resolved."""
+        if self.layers != "auto":
+            return self.layers
+        return "unstacked" if backend == "gpu" else "stacked"
+
     def validate(self, key: str) -> None:
         self._validate_adaptive(key)
         _require(self.dtype in ("",) + DTYPES, f"{key}.dtype", f"must be '' (the policy's) or one of {DTYPES}")
         _require(self.attention_impl in ("xla", "pallas"), f"{key}.attention_impl", "must be 'xla' or 'pallas'")
+        _require(self.layers in LAYERS, f"{key}.layers", f"must be one of {LAYERS}, got {self.layers!r}")
         _require(
             self.speculative in SPECULATIVE,
             f"{key}.speculative",
@@ -154,6 +165,12 @@ class DrafterConfig:
     row_len: int = 256
     prompt_context: int = 128
     hot_swap: bool = False  # publish each drafter step to the slices still decoding (at their next chunk)
+
+    def layer_layout(self, backend: str) -> str:
+        """The engines' layer layout on ``backend`` (jax.default_backend()): "auto" resolved."""
+        if self.layers != "auto":
+            return self.layers
+        return "unstacked" if backend == "gpu" else "stacked"
 
     def validate(self, key: str) -> None:
         _require(self.lr > 0 and not math.isnan(self.lr), f"{key}.lr", f"must be > 0, got {self.lr}")

@@ -6,7 +6,7 @@ from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.loading import check_tokenizer_matches, from_pretrained, load_model_and_tokenizer, load_tokenizer
 from tlt_jax.models.presets import DEFAULT_MODEL, default_model_path
 from tlt_jax.models.tokenizer import Tokenizer
-from tlt_jax.models.transformer import CausalLM, ModelOutput, rollout_copy
+from tlt_jax.models.transformer import LAYER_LAYOUTS, CausalLM, ModelOutput, rollout_copy, unstack_layers
 from tlt_jax.models.weights import ModelLoadError
 
 __all__ = [
@@ -24,6 +24,8 @@ __all__ = [
     "load_model_and_tokenizer",
     "load_tokenizer",
     "rollout_copy",
+    "unstack_layers",
+    "LAYER_LAYOUTS",
     "save_pretrained",
     "tiny_config",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -51,23 +53,34 @@ def attention(q, k_new, v_new, new_mask, k_cache=None, v_cache=None, cache_mask=
 
     q [B,T,H,D]; k_new, v_new [B,T,KV,D]; new_mask [B,T,T] bool (which new keys each query sees: causal, tree or
     segment mask); k_cache, v_cache [B,S,KV,D] and cache_mask [B,T,S] bool (which cached keys are visible).
-    Softmax in float32. This is the plain XLA reference the tree-attention kernels are tested against.
+    The matmuls read q, keys and values in their own dtype and accumulate in float32 (no float32 copy of the cache);
+    softmax in float32 over the cache and the new keys as two blocks sharing one max and one sum, so the cache is
+    never concatenated with the new keys. This is the plain XLA reference the tree-attention kernels are tested
+    against.
     """
     b, t, h, d = q.shape
     kv = k_new.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, d).astype(jnp.float32) * (d**-0.5)
-    s_new = jnp.einsum("btkgd,bskd->bkgts", qg, k_new.astype(jnp.float32))
-    neg = jnp.finfo(jnp.float32).min
-    s_new = jnp.where(new_mask[:, None, None], s_new, neg)
-    if k_cache is None:
-        scores, values = s_new, v_new
-    else:
-        s_cache = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(jnp.float32))
-        s_cache = jnp.where(cache_mask[:, None, None], s_cache, neg)
-        scores = jnp.concatenate([s_cache, s_new], axis=-1)
-        values = jnp.concatenate([v_cache, v_new], axis=1)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(jnp.float32))
+    f32 = jnp.float32
+    qg = q.reshape(b, t, kv, h // kv, d)
+    neg = jnp.finfo(f32).min
+
+    def scores(k, mask):
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=f32) * f32(d**-0.5)
+        return jnp.where(mask[:, None, None], s, neg)
+
+    blocks = [(scores(k_new, new_mask), v_new)]
+    if k_cache is not None:
+        blocks.insert(0, (scores(k_cache, cache_mask), v_cache))
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s, _ in blocks])
+    weights = [jnp.exp(s - top) for s, _ in blocks]
+    total = functools.reduce(jnp.add, [jnp.sum(w, axis=-1, keepdims=True) for w in weights])
+    out = functools.reduce(
+        jnp.add,
+        [
+            jnp.einsum("bkgts,bskd->btkgd", (w / total).astype(v.dtype), v, preferred_element_type=f32)
+            for w, (_, v) in zip(weights, blocks, strict=True)
+        ],
+    )
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 

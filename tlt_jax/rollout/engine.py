@@ -67,7 +67,8 @@ class RolloutEngine:
     calls); ``state_dict`` / ``load_state_dict`` carry it through checkpoints.
     dtype: rollout layout, e.g. jnp.bfloat16: decode with a cast copy of the params (and a KV cache) in that dtype;
     ``model`` and later ``set_params`` models stay fp32 masters. attention_impl: "xla" (default) or "pallas" (the
-    tree-attention kernel for decode and verify; interpreted on CPU).
+    tree-attention kernel for decode and verify; interpreted on CPU). layers: "stacked" (scanned, as trained) or
+    "unstacked" (one array per layer, run unrolled: no per-step copies of stacked weight slices on GPU).
     """
 
     def __init__(
@@ -95,8 +96,9 @@ class RolloutEngine:
         compiler_options: dict[str, Any] | None = None,
         dtype: Any = None,
         attention_impl: str | None = None,
+        layers: str | None = None,
     ):
-        self.rollout_layout = dict(dtype=dtype, attention_impl=attention_impl)  # rollout layout (issue 19)
+        self.rollout_layout = dict(dtype=dtype, attention_impl=attention_impl, layers=layers)  # rollout layout
         model = rollout_copy(model, **self.rollout_layout)  # rollout layout (issue 19)
         cfg = model.config
         if max_len is None:
@@ -141,6 +143,7 @@ class RolloutEngine:
             capture_side=capture.side if capture else "last",
             capture_prompt=capture.prompt if capture else 0,
             cache_dtype=model.dtype,
+            per_layer_cache=isinstance(model.layers, nnx.List),
             mesh=self.mesh,
             rules=rules,
             drafter_graphdef=self.drafter_graphdef,

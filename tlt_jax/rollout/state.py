@@ -3,8 +3,9 @@
 Layout (B = batch bucket, S = cache capacity max_len, M = output capacity = max_len, L/KV/D/H = model shape,
 NS = stop-token slots, W = hidden-capture window). Every field has the batch on axis 0, except the KV cache (axis 1):
 
-  cache          KVCache k, v [L, B, S, KV, D]; lengths [B] int32 = committed tokens (prompt + generated - 1: the
-                 last emitted token is fed, and committed, by the next step)
+  cache          KVCache k, v [L, B, S, KV, D] (an unstacked policy: L arrays [B, S, KV, D]); lengths [B] int32 =
+                 committed tokens (prompt + generated - 1: the last emitted token is fed, and committed, by the next
+                 step)
   last_token     [B] int32   last emitted token (the next step's input), at position cache.lengths
   num_generated  [B] int32   tokens emitted so far (also the write index into tokens / logprobs)
   done           [B] bool    finished (stop token or max_new reached) or padding; done rows are frozen: no emit,
@@ -151,6 +152,9 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: LogicalRules) -> Any:
 
     def one(x):
         if isinstance(x, KVCache):
+            if isinstance(x.k, tuple):  # per layer: each [B, S, KV, D]
+                per = tuple(NamedSharding(mesh, rules.spec(CACHE_AXES[1:], mesh, a.shape)) for a in x.k)
+                return KVCache(per, per, one(x.lengths))
             ax = rules.spec(CACHE_AXES, mesh, x.k.shape)
             return KVCache(NamedSharding(mesh, ax), NamedSharding(mesh, ax), one(x.lengths))
         return NamedSharding(mesh, rules.spec(_batch_logical(x), mesh, x.shape))
@@ -159,13 +163,14 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: LogicalRules) -> Any:
 
 
 def empty_state(
-    cfg: ModelConfig, batch: int, max_len: int, *, num_stop: int, capture_window: int = 0, dtype=jnp.float32
+    cfg: ModelConfig, batch: int, max_len: int, *, num_stop: int, capture_window: int = 0, dtype=jnp.float32,
+    per_layer_cache: bool = False,
 ) -> DecodeState:
     """An all-padding state (every row done). Used for shapes (jax.eval_shape) when compiling ahead of time."""
     b = batch
     hidden = jnp.zeros((b, capture_window, cfg.hidden_size), jnp.float32) if capture_window else None
     return DecodeState(
-        cache=KVCache.zeros(cfg, b, max_len, dtype),
+        cache=KVCache.zeros(cfg, b, max_len, dtype, per_layer_cache),
         last_token=jnp.zeros((b,), jnp.int32),
         num_generated=jnp.zeros((b,), jnp.int32),
         done=jnp.ones((b,), bool),

@@ -54,6 +54,7 @@ class StepContext:
     drafter_len: int = 0  # drafter cache slots (max_len + tree scratch); 0 = no drafter state
     report_tokens: bool = False  # info carries the emitted tokens (host-side drafters need the contexts)
     capture_prompt: int = 0  # prefill also returns each prompt's last hidden states before its final position
+    per_layer_cache: bool = False  # KVCache layout: per layer (an unstacked policy, layers unrolled) or stacked
 
     def merge(self, params) -> tuple[Any, Any]:
         """(policy, drafter or None) modules from the step's params pytree."""
@@ -69,6 +70,7 @@ class StepContext:
             num_stop=self.num_stop,
             capture_window=self.capture_window,
             dtype=self.cache_dtype,
+            per_layer_cache=self.per_layer_cache,
         )
         if self.drafter_len:
             hidden = jnp.zeros((batch, self.max_len, self.config.hidden_size), self.cache_dtype)
@@ -180,10 +182,8 @@ def build_prefill(ctx: StepContext, key: StepKey):
         bp, p = ids.shape
         mask = jnp.arange(p)[None, :] < lens[:, None]
         out = model(ids, attention_mask=mask, logits_indices=(lens - 1)[:, None])
-        prompt_cache = KVCache.zeros(cfg, bp, p, ctx.cache_dtype).append(out.k_new, out.v_new, lens)
-        forked = prompt_cache.gather(init.src)
-        pad = ((0, 0), (0, 0), (0, s_max - p), (0, 0), (0, 0))
-        cache = KVCache(jnp.pad(forked.k, pad), jnp.pad(forked.v, pad), forked.lengths)
+        prompt_cache = KVCache.zeros(cfg, bp, p, ctx.cache_dtype, ctx.per_layer_cache)
+        cache = prompt_cache.append(out.k_new, out.v_new, lens).gather(init.src).pad_to(s_max)
         logits = out.logits[:, 0].astype(jnp.float32)[init.src]
         hidden = jnp.take_along_axis(out.hidden, (lens - 1)[:, None, None], axis=1)[:, 0][init.src]
         b = init.src.shape[0]

@@ -1,0 +1,291 @@
+"""The GPU suite: decode, verify and prefill against the device's roofline, and the rollout engine's small batches.
+
+    python benchmarks/gpu_suite.py                  # one H100/H200, <= 8 minutes: benchmarks/results/gpu/suite.json
+    python benchmarks/gpu_suite.py --smoke --out /tmp/suite.json   # the same code on CPU, tiny shapes
+
+Random weights of real shapes (nothing downloaded), bf16 (fp32 in --smoke). Sections, in priority order (a section
+that would start after --time_budget_s is skipped and listed; the JSON is rewritten after every section):
+- ``matmul``: the bf16 matmul peak measured in this run (a square matmul), the ceiling of ``prefill_mfu``.
+- ``decode``: Qwen2.5-7B shape, cache of 4,096 positions with half committed, attention reading the committed prefix
+  bucket (``attend_len``). One step = one token per row (``decode_bs1``, ``decode_bs64``) or a 64-token chain tree
+  (``verify64_bs1``), greedy pick, commit one token, cache donated. For each layer layout ("stacked": scanned, as
+  trained; "unstacked": one array per layer, unrolled) and attention (XLA or the Pallas kernel). Bytes a step must
+  move = the weights it reads (the input embedding table only when tied: decode gathers its rows) + the committed
+  KV; ``hbm_fraction`` = those bytes per step time over the device's peak bandwidth.
+- ``prefill``: 1 x 2,048 tokens into an empty cache, logits at the last position; FLOPs = 2 x matmul parameters x
+  tokens + causal attention; ``prefill_mfu`` = FLOP/s over the measured matmul peak.
+- ``engine_bs1``: the RolloutEngine (Qwen2.5-0.5B shape) decoding one request: its seconds per token over the HBM
+  floor of its weights (``engine_bs1_step_over_floor``), per layer layout.
+- ``tail``: ``benchmarks/rollout_tail.py``'s long tail (64 requests up to 256 tokens) through the engine and through
+  the whole-batch loop: ``tail_speedup``, and whether both emitted the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from tlt_jax.models import CausalLM, KVCache, ModelConfig, rollout_copy, tiny_config  # noqa: E402
+
+RESULT = Path(__file__).parent / "results" / "gpu" / "suite.json"
+PEAK_GBPS = {"H200": 4800, "H100": 3350, "A100": 2039}  # datasheet HBM bandwidth by device kind
+QWEN_7B = ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                      num_kv_heads=4, rope_theta=1e6, attention_bias=True, architecture="qwen2")
+QWEN_05B = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                       num_kv_heads=2, rope_theta=1e6, attention_bias=True, tie_word_embeddings=True,
+                       architecture="qwen2", max_position_embeddings=4096)
+SMOKE_LM = tiny_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                       num_kv_heads=2, max_position_embeddings=1024)
+
+
+def shapes(smoke: bool) -> SimpleNamespace:
+    if smoke:
+        return SimpleNamespace(big=SMOKE_LM, small=SMOKE_LM, dtype=jnp.float32, matmul=256, cache=128, batch=4,
+                               verify=8, prefill=64, steps=3, requests=8, max_new=24, bs1_tokens=16)
+    return SimpleNamespace(big=QWEN_7B, small=QWEN_05B, dtype=jnp.bfloat16, matmul=8192, cache=4096, batch=64,
+                           verify=64, prefill=2048, steps=20, requests=64, max_new=256, bs1_tokens=256)
+
+
+def timed(fn, *args, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """Weight bytes one decode step reads: every parameter but an untied input embedding table (rows gathered)."""
+    untied_table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return (cfg.num_params() - untied_table) * itemsize
+
+
+def matmul_peak(s) -> dict:
+    n = s.matmul
+    a = jax.random.normal(jax.random.key(0), (n, n), s.dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), s.dtype)
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, b).block_until_ready()
+    best = min(timed(f, a, b, reps=10))
+    return {"n": n, "dtype": jnp.dtype(s.dtype).name, "ms": 1e3 * best, "tflops": 2 * n**3 / best / 1e12}
+
+
+def decode_step(graphdef, cfg, batch: int, tree: int, attend_len: int):
+    chain = jnp.broadcast_to(jnp.tril(jnp.ones((tree, tree), bool)), (batch, tree, tree))
+
+    def step(params, tok, cache):
+        ids = (tok[:, None] + jnp.arange(tree, dtype=jnp.int32)[None, :]) % cfg.vocab_size
+        out = nnx.merge(graphdef, params)(ids, cache=cache, tree_mask=chain, attend_len=attend_len,
+                                          logits_indices=jnp.full((batch, 1), tree - 1, jnp.int32))
+        cache = cache.append(out.k_new[:, :, :1], out.v_new[:, :, :1])  # commit one token, as a decode step does
+        return jnp.argmax(out.logits[:, -1], -1).astype(jnp.int32), cache
+
+    return jax.jit(step, donate_argnums=(2,))
+
+
+def bench_decode(model: CausalLM, s, batch: int, tree: int, peak_gbps: float | None) -> dict:
+    cfg, dtype = model.config, model.dtype
+    committed = s.cache // 2
+    attend = min(s.cache, -(-(committed + s.steps + 2 + tree) // 128) * 128)  # the committed prefix's bucket
+    graphdef, params = nnx.split(model)
+    fn = decode_step(graphdef, cfg, batch, tree, attend)
+    cache = KVCache.zeros(cfg, batch, s.cache, dtype)
+    cache = KVCache(cache.k, cache.v, jnp.full((batch,), committed, jnp.int32))
+    tok = jnp.zeros((batch,), jnp.int32)
+    t0 = time.perf_counter()
+    tok, cache = fn(params, tok, cache)
+    jax.block_until_ready(tok)
+    compile_s = time.perf_counter() - t0
+    tok, cache = fn(params, tok, cache)
+    jax.block_until_ready(tok)
+    t0 = time.perf_counter()
+    for _ in range(s.steps):
+        tok, cache = fn(params, tok, cache)
+    jax.block_until_ready((tok, cache))
+    ms = 1e3 * (time.perf_counter() - t0) / s.steps
+    itemsize = jnp.dtype(dtype).itemsize
+    moved = weight_bytes(cfg, itemsize) + batch * committed * cfg.kv_bytes_per_token(itemsize)
+    gbps = moved / ms / 1e6
+    del cache
+    return {"batch": batch, "tree_tokens": tree, "attend_len": attend, "ms": ms, "first_call_s": compile_s,
+            "bytes": moved, "gbps": gbps, "hbm_fraction": None if peak_gbps is None else gbps / peak_gbps}
+
+
+DECODE_VARIANTS = ("unstacked/xla", "unstacked/pallas", "stacked/xla", "stacked/pallas")
+
+
+def decode_section(s, peak_gbps, out: dict, budget, variants=DECODE_VARIANTS) -> None:
+    """Every (layout, attention) variant; the old stacked (scanned) layout as the baseline of the same run, at batch 1
+    only for its kernel path (its cost there is the weight copies)."""
+    stacked = CausalLM(s.big, dtype=s.dtype, param_dtype=s.dtype, rngs=nnx.Rngs(0))
+    models = {"stacked": stacked, "unstacked": rollout_copy(stacked, layers="unstacked")}
+    rows = out.setdefault("decode", {})
+    for key in variants:
+        if not budget(f"decode {key}"):
+            continue
+        layers, impl = key.split("/")
+        model = rollout_copy(models[layers], attention_impl=impl)
+        rows[key] = {}
+        cells = [("decode_bs1", 1, 1), ("decode_bs64", s.batch, 1), ("verify64_bs1", 1, s.verify)]
+        for name, batch, tree in cells[:1] if key == "stacked/pallas" else cells:
+            rows[key][name] = r = bench_decode(model, s, batch, tree, peak_gbps)
+            print(f"  {key:18} {name:13} {r['ms']:8.2f} ms {r['gbps']:7.0f} GB/s, first call {r['first_call_s']:.1f} s",
+                  flush=True)
+        del model
+
+
+def prefill_section(s, out: dict, layers: str) -> None:
+    cfg = s.big
+    model = rollout_copy(CausalLM(cfg, dtype=s.dtype, param_dtype=s.dtype, rngs=nnx.Rngs(0)), layers=layers)
+    graphdef, params = nnx.split(model)
+    t = s.prefill
+
+    def prefill(params, ids):
+        cache = KVCache.zeros(cfg, 1, t, s.dtype)
+        o = nnx.merge(graphdef, params)(ids, cache=cache, logits_indices=jnp.full((1, 1), t - 1, jnp.int32))
+        return o.logits, cache.append(o.k_new, o.v_new)
+
+    fn = jax.jit(prefill)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, t)), jnp.int32)
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(params, ids))
+    compile_s = time.perf_counter() - t0
+    best = min(timed(fn, params, ids, reps=5))
+    matmul_params = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    flops = 2 * matmul_params * t + 2 * cfg.hidden_size * cfg.vocab_size  # + the LM head at the last position
+    flops += 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * t * t  # causal QK^T and PV: half of 4 T^2 H D
+    out["prefill"] = {"batch": 1, "tokens": t, "layers": layers, "ms": 1e3 * best, "first_call_s": compile_s,
+                      "flops": flops, "tflops": flops / best / 1e12}
+
+
+def engine_bs1_section(s, peak_gbps, out: dict, budget, layouts=("unstacked", "stacked")) -> None:
+    from tlt_jax.rollout import RolloutEngine, SamplingParams
+
+    base = CausalLM(s.small, dtype=s.dtype, param_dtype=s.dtype, rngs=nnx.Rngs(0))
+    floor_s = weight_bytes(s.small, jnp.dtype(s.dtype).itemsize) / (peak_gbps * 1e9) if peak_gbps else None
+    rows = out.setdefault("engine_bs1", {"floor_ms": None if floor_s is None else 1e3 * floor_s})
+    prompt = [list(range(3, 19))]
+    params = SamplingParams(temperature=0.0, max_new_tokens=s.bs1_tokens, ignore_eos=True)
+    for layers in layouts:
+        if not budget(f"engine_bs1 {layers}"):
+            continue
+        engine = RolloutEngine(base, max_batch=1, max_len=256 + s.bs1_tokens, batch_buckets=(1,), layers=layers)
+        t0 = time.perf_counter()
+        engine.generate(prompt, params)  # compiles
+        warm = time.perf_counter() - t0
+        st = engine.generate(prompt, params).stats
+        ms = 1e3 * st["decode_seconds"] / st["decode_tokens"]
+        rows[layers] = {"ms_per_token": ms, "tokens": st["decode_tokens"], "warmup_s": warm,
+                        "over_floor": None if floor_s is None else ms / (1e3 * floor_s)}
+        print(f"  engine bs1 {layers:10} {ms:7.3f} ms/token", flush=True)
+        del engine
+
+
+def tail_section(s, out: dict, smoke: bool) -> None:
+    import rollout_tail
+
+    model = rollout_copy(CausalLM(s.small, dtype=s.dtype, param_dtype=s.dtype, rngs=nnx.Rngs(0)),
+                         layers="stacked" if smoke else "unstacked")
+    args = SimpleNamespace(requests=s.requests, max_new=s.max_new, equal_len=s.max_new, prompt_min=8, prompt_max=24,
+                           chunk=8, repeats=2, seed=0)
+    r = rollout_tail.run_model("qwen2.5-0.5b-shape", model, args, "tail")
+    keep = ("speedup", "speedup_median_of_rounds", "engine_seconds", "whole_batch_seconds", "tokens_equal",
+            "mismatched_requests", "max_logprob_diff", "engine_tail_share_of_wall", "pool", "warmup_seconds",
+            "engine_ms_per_step", "workload")
+    out["tail"] = {k: r[k] for k in keep}
+
+
+def headline(out: dict) -> dict:
+    """The issue's figures from the sections that ran (the best variant of each; None where a section was skipped)."""
+    dec = out.get("decode", {})
+
+    def best(cell, field="hbm_fraction", low=False):
+        vals = [(v[cell][field], k) for k, v in dec.items() if cell in v and v[cell][field] is not None]
+        return (min if low else max)(vals) if vals else (None, None)
+
+    verify = [(v["verify64_bs1"]["ms"] / v["decode_bs1"]["ms"], k) for k, v in dec.items() if "verify64_bs1" in v]
+    peak = out.get("matmul", {}).get("tflops")
+    pre = out.get("prefill")
+    eng = out.get("engine_bs1", {})
+    over = [(v["over_floor"], k) for k, v in eng.items() if isinstance(v, dict) and v.get("over_floor")]
+    return {
+        "decode_hbm_fraction": {"1": best("decode_bs1")[0], "64": best("decode_bs64")[0]},
+        "decode_best_variant": {"1": best("decode_bs1")[1], "64": best("decode_bs64")[1]},
+        "verify64_over_decode_bs1": min(verify)[0] if verify else None,
+        "prefill_mfu": pre["tflops"] / peak if pre and peak else None,
+        "engine_bs1_step_over_floor": min(over)[0] if over else None,
+        "tail_speedup": out.get("tail", {}).get("speedup"),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, fp32): the same code, in minutes")
+    ap.add_argument("--out", default=str(RESULT))
+    ap.add_argument("--time_budget_s", type=float, default=420.0, help="start no section after this many seconds")
+    ap.add_argument("--sections", default="matmul,decode,prefill,engine_bs1,tail,engine_bs1_stacked",
+                    help="in order; engine_bs1 times the unstacked engine, engine_bs1_stacked the stacked one")
+    args = ap.parse_args(argv)
+    s = shapes(args.smoke)
+    start = time.perf_counter()
+    kind = jax.devices()[0].device_kind
+    peak = next((v for k, v in PEAK_GBPS.items() if k in kind), None)
+    out = {"command": "python benchmarks/gpu_suite.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "device_kind": kind, "backend": jax.default_backend(), "jax": jax.__version__, "smoke": args.smoke,
+           "peak_hbm_gbps": peak, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "skipped": [], "errors": {}}
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def budget(name: str) -> bool:
+        if time.perf_counter() - start < args.time_budget_s:
+            return True
+        out["skipped"].append(name)
+        return False
+
+    def write():
+        out["seconds"] = time.perf_counter() - start
+        out.update(headline(out))
+        path.write_text(json.dumps(out, indent=1) + "\n")
+
+    sections = {
+        "matmul": lambda: out.update(matmul=matmul_peak(s)),
+        "decode": lambda: decode_section(s, peak, out, budget),
+        "prefill": lambda: prefill_section(s, out, "unstacked"),
+        "engine_bs1": lambda: engine_bs1_section(s, peak, out, budget, ("unstacked",)),
+        "engine_bs1_stacked": lambda: engine_bs1_section(s, peak, out, budget, ("stacked",)),
+        "tail": lambda: tail_section(s, out, args.smoke),
+    }
+    for name in args.sections.split(","):
+        if not budget(name):
+            continue
+        print(f"[{time.perf_counter() - start:6.1f}s] {name}", flush=True)
+        try:
+            sections[name]()
+        except Exception as e:  # one failed section must not lose the others' figures
+            traceback.print_exc()
+            out["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
+        write()
+    write()
+    print(json.dumps({k: out[k] for k in (*headline(out), "skipped", "errors", "seconds")}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
