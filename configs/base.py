@@ -11,7 +11,7 @@ Blocks (see tlt_jax/config.py and tlt_jax/rollout_config.py for every field and 
   model       source tiny | smollm2 | path; path; dtype; remat; tiny.* (random model shape)
   mesh        data / fsdp / tensor (-1 = the remaining devices)
   data        source synthetic | gsm_symbolic | arithmetic | gsm8k_file; prompts_per_step; sizes, seeds, paths,
-              max_prompt_len, chat_template; synthetic.*
+              max_prompt_len, chat_template, instruction; synthetic.*
   rollout     samples_per_prompt (GRPO n), temperature, top_k / top_p (off: RL rejects them), max_new_tokens,
               speculative (off | ngram | eagle | adaptive), drafter_path, spec_threshold / spec_depth / spec_topk /
               spec_verify_tokens (the fixed tree), spec_arms / spec_epsilon / spec_window / spec_patience /
@@ -24,7 +24,8 @@ Blocks (see tlt_jax/config.py and tlt_jax/rollout_config.py for every field and 
   eval        every_steps, at_start, max_new_tokens, batch_size
   checkpoint  every_steps, max_to_keep, async_save
   metrics     progress_bars, tensorboard
-  train       num_steps, seed, max_nonfinite_steps, debug_nan_steps
+  train       num_steps, seed, max_nonfinite_steps, debug_nan_steps, plan_check (start-up memory plan),
+              device_memory_gb
 
 Shared blocks: ``tlt_grpo(c)`` sets TLT's GRPO hyper-parameters.
 """

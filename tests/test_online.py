@@ -4,6 +4,7 @@ length of a fresh drafter."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from test_main import _assert_same_metrics, _cfg, _tiny_drafter, _train_rows
@@ -30,12 +31,33 @@ def _exported_weights(workdir):
     return load_file(str(workdir / "drafter_eagle" / "model.safetensors"))
 
 
+def _assert_export_is_the_trained_drafter(workdir, step, start):
+    """The EAGLE-layout export at the end of the run holds the trained drafter's values: read back (layout inverted),
+    every tensor equals the trainable params of the drafter state in the run's last checkpoint (the replicas'
+    average, what the trainer holds), and training moved them away from the ``start`` drafter."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from tlt_jax.drafter import import_eagle, load_drafter
+
+    with ocp.StandardCheckpointer() as ckpt:
+        state = ckpt.restore(workdir / "checkpoints" / str(step) / "extra_drafter")  # SpotTrainer.state_tree()
+    exported = [np.asarray(x) for x in jax.tree.leaves(nnx.state(import_eagle(workdir / "drafter_eagle"), nnx.Param))]
+    initial = [np.asarray(x) for x in jax.tree.leaves(nnx.state(load_drafter(start), nnx.Param))]
+    trained = [np.asarray(state[f"{i:05d}"]) for i in range(len(exported))]  # the params lead the train state
+    assert len(state) > len(exported)  # then the optimizer state and step count
+    for x, y, z in zip(exported, trained, initial, strict=True):
+        assert x.shape == y.shape == z.shape and x.dtype == y.dtype == np.float32
+        np.testing.assert_array_equal(x, y)
+    assert any(not np.array_equal(x, z) for x, z in zip(exported, initial, strict=True))
+
+
 @pytest.mark.slow
 def test_online_drafter_and_slices_leave_rl_metrics_unchanged(tmp_path):
     """Same drafter to start with: online training off / on (1 slice) and on with 2 slices, hot-swapping each new
     replica into the slice still decoding, give identical rewards, losses and KL at every step (verification is
     lossless and sampling keys follow the prompt's global index); drafter steps, controller times and the timeline
-    are recorded, the adapted drafter is exported."""
+    are recorded, the adapted drafter is exported with the trained values."""
     drafter = _tiny_drafter(_cfg("tiny.py"), tmp_path / "drafter")
     common = ("--config.train.num_steps=2", *QUIET, *TREE, f"--config.rollout.drafter_path={drafter}")
     runs = {
@@ -58,8 +80,11 @@ def test_online_drafter_and_slices_leave_rl_metrics_unchanged(tmp_path):
             assert r["drafter/critical_s"] >= r["controller/overhang_s"] > 0, (name, step, r)
         assert "drafter/steps" not in rows["off"][step]
     # Whether a drafter step ends while the other slice still decodes depends on timing (all responses here are 16
-    # tokens); the swap itself is tested deterministically below.
-    assert all(rows["on2"][s]["controller/hot_swaps"] >= 0 for s in (1, 2))
+    # tokens): each drafter step swaps its replica into at most the one other slice. The swap drafting is tested
+    # deterministically below and in test_hot_swap.py.
+    for s in (1, 2):
+        swaps = rows["on2"][s]["controller/hot_swaps"]
+        assert swaps == int(swaps) and 0 <= swaps <= rows["on2"][s]["controller/train_steps"], rows["on2"][s]
     assert "controller/hot_swaps" not in rows["on"][1]
     assert rows["on"][2]["drafter/total_steps"] == 8  # 4 steps after each rollout (steps_without_idle)
     timeline = [json.loads(line) for line in (tmp_path / "on2" / TIMELINE_FILE).read_text().splitlines()]
@@ -67,6 +92,7 @@ def test_online_drafter_and_slices_leave_rl_metrics_unchanged(tmp_path):
     assert {t["state"] for t in timeline} >= {"busy", "training"}
     for name in ("on", "on2"):
         assert sorted(_exported_weights(tmp_path / name)) == sorted(_exported_weights(tmp_path / "on"))
+        _assert_export_is_the_trained_drafter(tmp_path / name, 2, drafter)
     assert not (tmp_path / "off" / "drafter_eagle").exists()
 
 
@@ -151,8 +177,9 @@ def test_online_training_raises_the_accept_length_of_a_fresh_drafter(tmp_path):
 @pytest.mark.slow
 def test_drafter_swapped_mid_rollout_keeps_every_sample():
     """The hot swap's premise: an engine reads its drafter at every chunk, so set_drafter between two chunks of a
-    running generate (as the controller does for slices still decoding) takes effect mid-rollout, and the samples are
-    those of either drafter alone (verification is lossless)."""
+    running generate (as the controller does for slices still decoding) takes effect mid-rollout: the next chunk
+    rebuilds the drafter cache with the new weights, and the samples (T = 1, a 2-wide tree, six rows) are those of
+    either drafter alone (verification is lossless). That the new drafter drafts: test_hot_swap.py."""
     import jax
     from flax import nnx
 
@@ -177,13 +204,15 @@ def test_drafter_swapped_mid_rollout_keeps_every_sample():
     at_swap = []
 
     def swap(finished, active):
-        if not at_swap:
-            at_swap.append(active)
+        at_swap.append(active)
+        if len(at_swap) == 2:  # before the second round trip: the first drafted with a
             engine.set_drafter(b)
 
     swapped = engine.generate(prompts, sampling, on_chunk=swap)
-    assert at_swap and at_swap[0] > 0  # swapped while samples were still decoding
+    assert len(at_swap) > 2 and at_swap[1] > 0  # swapped while samples were still decoding
     assert swapped.tokens == only_a.tokens == only_b.tokens
-    assert swapped.stats["verify_steps"] > 0
+    chunks = swapped.stats["chunks"]
+    assert [i for i, c in enumerate(chunks) if c.get("drafter_swapped")] == [1]
+    assert all(c["arm"] != "plain" for c in chunks[:2]) and swapped.stats["verify_steps"] > 0
     after = [np.asarray(x) for x in jax.tree.leaves(engine.drafter_params)]
     assert all(np.array_equal(x, y) for x, y in zip(after, b_leaves, strict=True))

@@ -328,7 +328,8 @@ def test_two_mesh_slices_match_single_device():
         RolloutEngine(m, s, max_batch=4, max_len=32, length_buckets=(32,), compiler_options=FAST) for s in slices
     ]
     q = engines[0].params["layers"]["self_attn"]["q_proj"][...]
-    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    # The decode layout (decode_rules): heads over tensor, not split over the data axes (no weight gathers).
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
     assert q.sharding.mesh.shape["tensor"] == 4
     batch_spec = engines[1].ctx.abstract_state(4).tokens.sharding.spec
     assert batch_spec == jax.sharding.PartitionSpec(("data", "fsdp"), None)

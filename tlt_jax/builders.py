@@ -82,12 +82,11 @@ def build_data(cfg, tokenizer, model_config) -> Data:
     """Training and held-out evaluation examples, each with ``prompt_ids`` and ``ground_truth``."""
     from tlt_jax.config import ConfigError
     from tlt_jax.data import (
-        ANSWER_IS_INSTRUCTION,
-        DEFAULT_INSTRUCTION,
         GENERATED_TASKS,
         PromptFormatter,
         filter_by_prompt_length,
         generated_splits,
+        instruction_for,
         load_gsm8k_file,
     )
 
@@ -102,8 +101,7 @@ def build_data(cfg, tokenizer, model_config) -> Data:
         evals = synthetic_examples(cfg, model_config.vocab_size, avoid, d.eval_size, d.synthetic.seed + 1_000_003)
         return Data(train, evals, info)
     template = tokenizer.apply_chat_template if d.chat_template else None
-    instruction = ANSWER_IS_INSTRUCTION if d.source == "arithmetic" else DEFAULT_INSTRUCTION
-    formatter = PromptFormatter(chat_template=template, instruction=instruction)
+    formatter = PromptFormatter(chat_template=template, instruction=instruction_for(d.source, d.instruction))
     if d.source in GENERATED_TASKS:
         splits = generated_splits(d.source, d.train_size, d.eval_size, d.train_seed, d.eval_seed, formatter)
         train, evals = splits.train, splits.eval

@@ -47,7 +47,9 @@ __all__ = [
 
 MODEL_SOURCES = ("tiny", "smollm2", "path")
 DATA_SOURCES = ("synthetic", "gsm_symbolic", "arithmetic", "gsm8k_file")
+INSTRUCTION_NAMES = ("auto", "gsm8k", "answer_is")  # tlt_jax.data.prompts.INSTRUCTIONS, and "auto"
 SCHEDULES = ("constant", "cosine", "linear")
+PLAN_CHECKS = ("auto", "on", "off")  # train.plan_check (tlt_jax.plan.startup_check)
 # Names the RL blocks accept. The config owns these lists (it imports nothing from tlt_jax.rl, which imports the
 # config: no package cycle); tlt_jax.rl's registries must hold exactly these names (tests/test_config.py checks).
 ADVANTAGES = ("drgrpo", "grpo", "rloo")
@@ -123,6 +125,7 @@ class DataConfig:
     shuffle_seed: int = 0
     max_prompt_len: int = 256  # longer prompts are dropped (counted in the metrics)
     chat_template: bool = True  # format prompts with the tokenizer's chat template
+    instruction: str = "auto"  # gsm8k ('#### N') | answer_is ('The answer is N.') | auto (answer_is for arithmetic)
     synthetic: SyntheticDataConfig = SyntheticDataConfig()
 
     def validate(self, key: str) -> None:
@@ -130,6 +133,7 @@ class DataConfig:
         _require(self.prompts_per_step >= 1, f"{key}.prompts_per_step", "must be >= 1")
         _require(self.max_prompt_len >= 1, f"{key}.max_prompt_len", "must be >= 1")
         _require(self.eval_size >= 1, f"{key}.eval_size", "must be >= 1")
+        _require(self.instruction in INSTRUCTION_NAMES, f"{key}.instruction", f"must be one of {INSTRUCTION_NAMES}")
         if self.source == "gsm8k_file":
             _require(bool(self.train_path), f"{key}.train_path", "source='gsm8k_file' needs a .jsonl/.parquet file")
         if self.source in ("gsm_symbolic", "arithmetic"):
@@ -259,10 +263,16 @@ class TrainConfig:
     seed: int = 0
     max_nonfinite_steps: int = 3
     debug_nan_steps: tuple[int, ...] = ()
+    # Start-up memory plan (tlt_jax.plan.startup_check): "auto" = on GPU / TPU backends, "on", "off". A run whose
+    # plan exceeds device_memory_gb (x the memory fraction; 0 = the device's own limit) is refused.
+    plan_check: str = "auto"
+    device_memory_gb: float = 0.0
 
     def validate(self, key: str) -> None:
         _require(self.num_steps >= 1, f"{key}.num_steps", "must be >= 1")
         _require(self.max_nonfinite_steps >= 1, f"{key}.max_nonfinite_steps", "must be >= 1")
+        _require(self.plan_check in PLAN_CHECKS, f"{key}.plan_check", f"must be one of {PLAN_CHECKS}")
+        _require(self.device_memory_gb >= 0, f"{key}.device_memory_gb", "must be >= 0 (0 = the device's own limit)")
 
 
 @dataclasses.dataclass(frozen=True)

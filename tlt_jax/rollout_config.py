@@ -46,7 +46,8 @@ class RolloutConfig:
     spec_verify_tokens: int = 48
     # Rollout layout: the engines decode a copy of the policy in ``dtype`` ("" = the policy's own; "bfloat16" halves
     # weight and KV traffic while the trainer keeps float32 masters; the copy is re-made after every update, timed as
-    # time/reshard_s) with attention by "xla" or the "pallas" tree-attention kernel (decode / verify only).
+    # time/reshard_s, its per-device bytes rollout/reshard_bytes; weights split over mesh.tensor only, so decode steps
+    # gather none) with attention by "xla" or the "pallas" tree-attention kernel (decode / verify only).
     dtype: str = ""
     attention_impl: str = "xla"
     # "stacked" (scanned, as the trainer holds them), "unstacked" (one array per layer, the layers run unrolled: on

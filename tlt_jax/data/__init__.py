@@ -2,7 +2,14 @@
 grain pipeline."""
 
 from tlt_jax.data.pipeline import prompt_dataset
-from tlt_jax.data.prompts import ANSWER_IS_INSTRUCTION, DEFAULT_INSTRUCTION, PromptFormatter, filter_by_prompt_length
+from tlt_jax.data.prompts import (
+    ANSWER_IS_INSTRUCTION,
+    DEFAULT_INSTRUCTION,
+    INSTRUCTIONS,
+    PromptFormatter,
+    filter_by_prompt_length,
+    instruction_for,
+)
 from tlt_jax.data.sources import (
     GENERATED_TASKS,
     GSM8KFile,
@@ -18,12 +25,14 @@ __all__ = [
     "DEFAULT_INSTRUCTION",
     "GENERATED_TASKS",
     "GSM8KFile",
+    "INSTRUCTIONS",
     "PromptFormatter",
     "Splits",
     "filter_by_prompt_length",
     "generated_splits",
     "gsm_symbolic_examples",
     "gsm_symbolic_splits",
+    "instruction_for",
     "load_gsm8k_file",
     "prompt_dataset",
 ]

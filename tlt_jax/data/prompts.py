@@ -5,7 +5,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-__all__ = ["ANSWER_IS_INSTRUCTION", "DEFAULT_INSTRUCTION", "PromptFormatter", "filter_by_prompt_length"]
+__all__ = [
+    "ANSWER_IS_INSTRUCTION",
+    "DEFAULT_INSTRUCTION",
+    "INSTRUCTIONS",
+    "PromptFormatter",
+    "filter_by_prompt_length",
+    "instruction_for",
+    "instruction_name",
+]
 
 DEFAULT_INSTRUCTION = (
     "Solve the math problem step by step. "
@@ -15,6 +23,23 @@ DEFAULT_INSTRUCTION = (
 # The arithmetic source's instruction: a plain closing sentence that a 135M model already writes ~40 % of the time
 # (a format it can learn to give every time; see the format reward in tlt_jax.rewards).
 ANSWER_IS_INSTRUCTION = "Think step by step. End your reply with the sentence 'The answer is N.' where N is a number."
+
+# data.instruction -> text; "auto" picks by data.source (instruction_for)
+INSTRUCTIONS = {"gsm8k": DEFAULT_INSTRUCTION, "answer_is": ANSWER_IS_INSTRUCTION}
+
+
+def instruction_name(source: str, name: str = "auto") -> str:
+    """data.instruction ``name`` resolved: "auto" is "answer_is" for the arithmetic source, "gsm8k" (the '#### N'
+    final line) for every other (a GSM8K file of arithmetic problems takes "answer_is")."""
+    if name == "auto":
+        return "answer_is" if source == "arithmetic" else "gsm8k"
+    return name
+
+
+def instruction_for(source: str, name: str = "auto") -> str:
+    """The instruction text of data.instruction ``name`` for data.source ``source``."""
+    return INSTRUCTIONS[instruction_name(source, name)]
+
 
 ChatTemplate = Callable[[list[dict]], str]
 

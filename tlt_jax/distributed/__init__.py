@@ -6,10 +6,15 @@ from tlt_jax.distributed.runtime import LaunchSpec, initialize, resolve_launch
 from tlt_jax.distributed.sharding import (
     DEFAULT_RULES,
     LogicalRules,
+    activation_sharding,
+    constrain,
+    decode_rules,
     init_sharded,
     logical_sharding,
+    max_device_bytes,
     shard_module,
     state_shardings,
+    with_activations,
 )
 
 __all__ = [
@@ -18,13 +23,18 @@ __all__ = [
     "LaunchSpec",
     "LogicalRules",
     "MeshConfig",
+    "activation_sharding",
+    "constrain",
+    "decode_rules",
     "init_sharded",
     "initialize",
     "logical_sharding",
     "make_mesh",
+    "max_device_bytes",
     "resolve_launch",
     "shard_module",
     "single_device_mesh",
     "split_mesh",
     "state_shardings",
+    "with_activations",
 ]

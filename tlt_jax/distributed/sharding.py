@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -105,6 +108,76 @@ class LogicalRules:
                     axes = ()
             out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return PartitionSpec(*out)
+
+
+# (mesh, rules) under which ``constrain`` pins activations; set while a sharded step is traced (``with_activations``).
+_ACTIVATIONS: contextvars.ContextVar[tuple[Mesh, LogicalRules] | None] = contextvars.ContextVar(
+    "tlt_jax_activation_sharding", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: LogicalRules):
+    """Within this block, ``constrain`` pins activations to ``mesh`` by ``rules`` (outside it, it does nothing)."""
+    token = _ACTIVATIONS.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.reset(token)
+
+
+def with_activations(fn, mesh: Mesh | None, rules: LogicalRules):
+    """``fn`` traced under ``activation_sharding(mesh, rules)`` (unchanged without a mesh): wrap before ``jax.jit``."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with activation_sharding(mesh, rules):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
+def activation_context() -> tuple[Mesh, LogicalRules] | None:
+    """The (mesh, rules) of the enclosing ``activation_sharding`` block, or None."""
+    return _ACTIVATIONS.get()
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Pin an activation's layout by logical axis names, e.g. ("batch", None, None) for [B, T, E] hidden states, so
+    that XLA shards the layers' work by batch (FSDP: weights gathered per layer, activations never) instead of
+    choosing layouts that all-gather activations. A no-op outside ``activation_sharding``."""
+    ctx = _ACTIVATIONS.get()
+    if ctx is None:
+        return x
+    mesh, rules = ctx
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(logical, mesh, x.shape)))
+
+
+def decode_rules(rules: LogicalRules) -> LogicalRules:
+    """The rollout (decode) layout of ``rules``: parameters no longer split over the data-parallel mesh axes (those
+    of "batch": "data", "fsdp"), only over the others ("tensor": heads, MLP columns, vocabulary). A decode or verify
+    step then reads every weight where it lies instead of all-gathering it at every token step; the engine reshards
+    the trained weights into this layout once per RL step (``RolloutEngine.set_params``)."""
+    data_axes = set(rules.lookup("batch"))
+
+    def keep(name: str, axes: MeshAxes) -> MeshAxes:
+        if name == "batch" or axes is None:
+            return axes
+        left = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in data_axes)
+        return None if not left else left[0] if len(left) == 1 else left
+
+    return dataclasses.replace(rules, rules=tuple((n, keep(n, a)) for n, a in rules.rules))
+
+
+def max_device_bytes(tree) -> int:
+    """The most bytes of ``tree``'s arrays that any one device holds (its addressable shards, summed per device)."""
+    per_device: dict = {}
+    for x in jax.tree.leaves(tree):
+        for shard in getattr(x, "addressable_shards", ()):
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)
 
 
 def _is_var(x) -> bool:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tlt_jax.distributed.sharding import LOGICAL_AXES
+from tlt_jax.distributed.sharding import LOGICAL_AXES, activation_context
 from tlt_jax.kernels import prefix_tree_attention
 from tlt_jax.models.config import ModelConfig
 
@@ -84,6 +84,26 @@ def attention(q, k_new, v_new, new_mask, k_cache=None, v_cache=None, cache_mask=
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
+def kernel_attention(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask):
+    """The Pallas tree-attention kernel (interpreted on CPU), under ``jax.shard_map`` inside a sharded step (see
+    ``distributed.activation_sharding``): each device runs it on its rows (batch over the data axes) and its heads
+    (over "tensor"; query head groups stay with their KV head), so no cache is gathered into the kernel."""
+    call = functools.partial(prefix_tree_attention, interpret=jax.default_backend() == "cpu")
+    ctx = activation_context()
+    if ctx is None:
+        return call(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask)
+    mesh, rules = ctx
+
+    def heads(x, name):
+        return rules.spec(("batch", None, name, None), mesh, x.shape)
+
+    specs = (heads(q, "q_heads"), heads(k_cache, "kv_heads"), heads(v_cache, "kv_heads"),
+             rules.spec(("batch",), mesh, cache_len.shape), heads(k_new, "kv_heads"), heads(v_new, "kv_heads"),
+             rules.spec(("batch", None, None), mesh, tree_mask.shape))
+    sharded = jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
+    return sharded(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -110,8 +130,7 @@ class Attention(nnx.Module):
         k = apply_rope(self._proj(x, self.k_proj, self.k_bias), cos, sin)
         v = self._proj(x, self.v_proj, self.v_bias)
         if cache_len is not None and k_cache is not None:
-            interpret = jax.default_backend() == "cpu"  # CPU has no Pallas backend: run the kernel interpreted
-            out = prefix_tree_attention(q, k_cache, v_cache, cache_len, k, v, new_mask, interpret=interpret)
+            out = kernel_attention(q, k_cache, v_cache, cache_len, k, v, new_mask)
         else:
             out = attention(q, k, v, new_mask, k_cache, v_cache, cache_mask)
         return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(self.dtype)), (k, v)

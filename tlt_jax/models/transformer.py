@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tlt_jax.distributed.sharding import constrain
 from tlt_jax.kernels import ATTENTION_IMPLS
 from tlt_jax.models.config import ModelConfig, rope_inv_freq
 from tlt_jax.models.kv_cache import KVCache
@@ -53,6 +54,9 @@ def stacked_layers(cfg: ModelConfig, n: int, *, rngs: nnx.Rngs, **layer_kwargs) 
     return layers
 
 
+# Hidden states [B, T, E] between layers: split by batch (under a sharded train step; see distributed.constrain).
+ACTIVATION = ("batch", None, None)
+
 # Most new tokens per row the Pallas kernel takes (decode and verify trees); longer (prefill-sized) calls use XLA.
 PALLAS_MAX_NEW_TOKENS = 128
 
@@ -76,6 +80,9 @@ def unstack_layers(layers: DecoderLayer, n: int) -> nnx.List:
     return nnx.List(out)
 
 
+# Hidden states [B, T, E] between layers: split by batch (under a sharded train step; see distributed.constrain).
+ACTIVATION = ("batch", None, None)
+
 # Most new tokens per row the Pallas kernel takes (decode and verify trees); longer (prefill-sized) calls use XLA.
 PALLAS_MAX_NEW_TOKENS = 128
 
@@ -95,7 +102,8 @@ def scan_layers(layers: DecoderLayer | nnx.List, x, cos, sin, new_mask, cache: K
     def run(layer, h, kc, vc):
         if kc is not None and n < kc.shape[1]:
             kc, vc = kc[:, :n], vc[:, :n]
-        return layer(h, cos, sin, new_mask, kc, vc, cache_mask, cache_len)
+        h, kv = layer(constrain(h, ACTIVATION), cos, sin, new_mask, kc, vc, cache_mask, cache_len)
+        return constrain(h, ACTIVATION), kv
 
     if isinstance(layers, nnx.List):
         ks, vs = [], []
@@ -183,12 +191,12 @@ class CausalLM(nnx.Module):
             positions = base[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         new_mask = build_new_token_mask(b, t, attention_mask, segment_ids, tree_mask)
         cos, sin = self.rope(positions)
-        x = self.embed(input_ids)
+        x = constrain(self.embed(input_ids), ACTIVATION)
         x, k_new, v_new = scan_layers(
             self.layers, x, cos, sin, new_mask, cache, remat=self.remat, attention_impl=self.attention_impl,
             attend_len=attend_len,
         )
-        hidden = self.norm(x)
+        hidden = constrain(self.norm(x), ACTIVATION)
         logits = None
         if return_logits:
             h = hidden if logits_indices is None else jnp.take_along_axis(hidden, logits_indices[..., None], axis=1)

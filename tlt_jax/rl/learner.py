@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from tlt_jax.config import Config, ConfigError
-from tlt_jax.distributed import LogicalRules
+from tlt_jax.distributed import LogicalRules, max_device_bytes
 from tlt_jax.distributed.multihost import to_host
 from tlt_jax.rewards import RewardFn, example_max_new_tokens
 from tlt_jax.rl.advantages import compute_advantages
@@ -47,6 +47,10 @@ def check_micro_batch(cfg: Config, mesh: Mesh, rules: LogicalRules = LogicalRule
             f"config.rl.micro_batch_size: {micro} does not divide over the mesh's batch axes "
             f"{' x '.join(axes)} = {size} devices: use a multiple of {size} (or fewer devices)"
         )
+
+
+def _bf16(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -97,7 +101,7 @@ def _percentiles(lengths: np.ndarray) -> dict[str, float]:
 class GRPOLearner:
     """Owns the policy's train state, the frozen reference, and the step functions; ``step`` runs one iteration.
 
-    The model passed in is the initial policy; when ``kl_coef > 0`` a copy of its parameters is the reference.
+    The model passed in is the initial policy; when ``kl_coef > 0`` a bfloat16 copy of its parameters is the reference.
     ``engine`` is a RolloutEngine (``set_params(model)``, ``generate(prompts, SamplingParams)``).
     """
 
@@ -107,8 +111,10 @@ class GRPOLearner:
         # The run's key (key data): every rollout seed derives from it. A resumed run takes the checkpoint's.
         self.run_key = np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed)))
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=jax.tree.map(lambda x: x.sharding, params))
-        self.ref_params = copy(params) if cfg.rl.kl_coef > 0 else None
+        # The reference policy is never trained: kept in bfloat16 (half the memory of a float32 copy; its log-probs
+        # are still computed in the policy's dtype from these weights).
+        to_ref = jax.jit(lambda t: jax.tree.map(_bf16, t), out_shardings=jax.tree.map(lambda x: x.sharding, params))
+        self.ref_params = to_ref(params) if cfg.rl.kl_coef > 0 else None
         self.total_updates = cfg.train.num_steps * cfg.updates_per_step
         self.schedule = lr_schedule(cfg.optim, self.total_updates)
         self.tx = make_optimizer(cfg.optim, self.total_updates)
@@ -128,7 +134,7 @@ class GRPOLearner:
         )
         self._train_step = make_train_step(self.graphdef, self.tx, self.loss_cfg, self.state, mesh=mesh, rules=rules)
         self._logprobs = make_logprob_fn(
-            self.graphdef, chunk_size=rl.micro_batch_size, temperature=cfg.rollout.temperature
+            self.graphdef, chunk_size=rl.micro_batch_size, temperature=cfg.rollout.temperature, mesh=mesh, rules=rules
         )
 
     # ---- helpers ----------------------------------------------------------------------------------------------
@@ -165,6 +171,7 @@ class GRPOLearner:
         self._publish()  # training layout -> rollout layout
         jax.block_until_ready(self.engine.params)
         t_reshard = time.perf_counter() - t_reshard
+        reshard_bytes = max_device_bytes(self.engine.params)  # now: the train step may donate shared arrays
         sampling = SamplingParams(
             temperature=ro.temperature,
             top_k=ro.top_k,
@@ -215,6 +222,7 @@ class GRPOLearner:
             "response/stopped_frac": float(np.mean([r == "stop" for rs in res.finish_reason for r in rs])),
             "time/rollout_s": t_rollout,
             "time/reshard_s": t_reshard,
+            "rollout/reshard_bytes": float(reshard_bytes),
             "time/tail_s": float(stats.get("tail_seconds", 0.0)),
             "rollout/tail_share": float(stats.get("tail_share", 0.0)),
             "rollout/compile_s": float(stats.get("compile_seconds_this_call", 0.0)),

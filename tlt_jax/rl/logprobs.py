@@ -15,7 +15,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["batch_logprobs", "make_logprob_fn", "sequence_logprobs", "split_rows", "token_logprobs", "unsplit_rows"]
+from tlt_jax.distributed import LogicalRules, with_activations
+
+__all__ = [
+    "batch_logprobs",
+    "chunked_token_logprobs",
+    "make_logprob_fn",
+    "sequence_logprobs",
+    "split_rows",
+    "token_logprobs",
+    "unsplit_rows",
+]
 
 
 def split_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -43,6 +53,29 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1
     return logp, entropy
 
 
+# Tokens per LM-head chunk: longer sequences take their log-probs chunk by chunk (rematerialised in the backward
+# pass), so float32 logits [B, T, V] never exist whole, only [B, LOGIT_CHUNK, V].
+LOGIT_CHUNK = 512
+
+
+def chunked_token_logprobs(model, hidden: jax.Array, targets: jax.Array, temperature: float = 1.0,
+                           chunk: int = LOGIT_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """:func:`token_logprobs` of ``model.logits_from_hidden(hidden)`` [B, T, H], ``chunk`` positions at a time."""
+    b, t, h = hidden.shape
+    if t <= chunk:
+        return token_logprobs(model.logits_from_hidden(hidden), targets, temperature)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    hs = jnp.swapaxes(jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h), 0, 1)
+    ts = jnp.swapaxes(jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk), 0, 1)
+    one = jax.checkpoint(lambda hc, tc: token_logprobs(model.logits_from_hidden(hc), tc, temperature))
+    logp, ent = jax.lax.map(lambda xs: one(*xs), (hs, ts))
+    def unchunk(x):
+        return jnp.swapaxes(x, 0, 1).reshape(b, n * chunk)[:, :t]
+
+    return unchunk(logp), unchunk(ent)
+
+
 def sequence_logprobs(
     model, input_ids: jax.Array, attention_mask: jax.Array, temperature: float = 1.0
 ) -> tuple[jax.Array, jax.Array]:
@@ -52,8 +85,8 @@ def sequence_logprobs(
     """
     b, t = input_ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits = model(input_ids, positions=positions, attention_mask=attention_mask).logits
-    logp, ent = token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+    hidden = model(input_ids, positions=positions, attention_mask=attention_mask, return_logits=False).hidden
+    logp, ent = chunked_token_logprobs(model, hidden[:, :-1], input_ids[:, 1:], temperature)
     valid = attention_mask[:, 1:].astype(jnp.float32)
     pad = jnp.zeros((b, 1), jnp.float32)
     return jnp.concatenate([pad, logp * valid], axis=1), jnp.concatenate([pad, ent * valid], axis=1)
@@ -80,7 +113,9 @@ def batch_logprobs(
     return jax.lax.stop_gradient(unsplit_rows(jax.lax.map(one, chunks)))
 
 
-def make_logprob_fn(graphdef: nnx.GraphDef, *, chunk_size: int, temperature: float, out_sharding=None):
-    """Jitted ``fn(params, rest, input_ids, attention_mask) -> logp [B, T]`` for the policy or the reference."""
+def make_logprob_fn(graphdef: nnx.GraphDef, *, chunk_size: int, temperature: float, out_sharding=None, mesh=None,
+                    rules: LogicalRules = LogicalRules()):
+    """Jitted ``fn(params, rest, input_ids, attention_mask) -> logp [B, T]`` for the policy or the reference; with a
+    mesh, activations split by batch through every layer (as in the train step)."""
     fn = functools.partial(batch_logprobs, graphdef, chunk_size=chunk_size, temperature=temperature)
-    return jax.jit(fn, out_shardings=out_sharding)
+    return jax.jit(with_activations(fn, mesh, rules), out_shardings=out_sharding)

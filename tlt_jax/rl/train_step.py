@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax.config import OptimConfig
-from tlt_jax.distributed import LogicalRules
+from tlt_jax.distributed import LogicalRules, with_activations
 from tlt_jax.rl.logprobs import sequence_logprobs, split_rows
 from tlt_jax.rl.losses import grpo_loss, masked_mean
 
@@ -221,8 +221,8 @@ def make_train_step(
 ):
     """Jitted ``fn(state, rest, batch) -> (state, metrics)``; ``state`` is donated and keeps its shardings.
 
-    With a mesh, micro-batches are constrained to be split over the batch axes (data x fsdp); the parameters are
-    sharded as ``state`` already is (FSDP x tensor via the logical rules).
+    With a mesh, micro-batches and every layer's activations are constrained to be split over the batch axes (data x
+    fsdp); the parameters are sharded as ``state`` already is (FSDP x tensor via the logical rules).
     """
     micro_sharding = None
     if mesh is not None:
@@ -233,4 +233,5 @@ def make_train_step(
 
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     fn = functools.partial(train_step, graphdef, tx, cfg, micro_sharding=micro_sharding)
-    return jax.jit(fn, donate_argnums=(0,), out_shardings=(state_shardings, None))
+    # Activations split by batch through every layer (FSDP: XLA gathers each layer's weights, never activations).
+    return jax.jit(with_activations(fn, mesh, rules), donate_argnums=(0,), out_shardings=(state_shardings, None))

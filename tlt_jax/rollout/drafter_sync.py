@@ -3,10 +3,12 @@
 No step but an EAGLE verify runs the drafter. Prefill, plain decode chunks and n-gram verify steps only record each
 committed position's drafter pair: the policy's final-normed hidden state there and the token one ahead (the prompt's
 next token, or the token sampled from it). The drafter's KV cache is caught up over the recorded pairs at the start
-of the next EAGLE verify step, in pieces of a fixed size, and an EAGLE verify extends it over its own emitted tokens,
-so its rows stay current. Rows that finish, or whose wave never speculates, never pay for the drafter, not even over
-their prompt. Drafts only propose, so the timing of the catch-up cannot change an emitted token (the verification
-is exact); nor does it change a draft beyond rounding, since the same pairs reach the same cache positions.
+of the next EAGLE verify step, in pieces of a fixed size, and an EAGLE verify extends it over its own emitted tokens
+(recording their pairs too), so its rows stay current. Rows that finish, or whose wave never speculates, never pay for
+the drafter, not even over their prompt. Drafts only propose, so the timing of the catch-up cannot change an emitted
+token (the verification is exact); nor does it change a draft beyond rounding, since the same pairs reach the same
+cache positions. New drafter weights in the middle of a wave (a hot swap) ``forget`` the cache: every pair of every
+position is recorded, so the next catch-up rebuilds it with the new weights from position 0.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tlt_jax.speculative.tree import DraftState, drafter_extend
 
@@ -46,6 +49,15 @@ def record_pairs(sync: LazyDraft, start: jax.Array, hidden: jax.Array, next_toke
         hidden=sync.hidden.at[rows, pos].set(hidden.astype(sync.hidden.dtype), mode="drop"),
         next_token=sync.next_token.at[rows, pos].set(next_token.astype(jnp.int32), mode="drop"),
     )
+
+
+def forget(sync: LazyDraft) -> LazyDraft:
+    """The drafter's cache emptied on every row (host side, no compile: only its lengths change, to 0): the next
+    ``catch_up`` re-extends the drafter over every recorded pair, so no key, value or feature of earlier weights is
+    read again. For a hot swap: a cache built by one drafter is not the cache of another."""
+    cache = sync.draft.cache
+    zero = jax.device_put(np.zeros(cache.lengths.shape, np.int32), cache.lengths.sharding)
+    return sync.replace(draft=DraftState(dataclasses.replace(cache, lengths=zero), sync.draft.feature))
 
 
 def catch_up(policy, drafter, sync: LazyDraft, policy_lengths: jax.Array, done: jax.Array, *, piece: int,

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tlt_jax.adaptive import Arm, Bandit, BanditConfig
-from tlt_jax.distributed import LogicalRules, shard_module, single_device_mesh
+from tlt_jax.distributed import LogicalRules, decode_rules, shard_module, single_device_mesh
 from tlt_jax.models import CausalLM, rollout_copy
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.params import HiddenCapture, RolloutResult, SamplingParams
@@ -41,8 +41,9 @@ from tlt_jax.speculative import NgramDrafter
 class RolloutEngine:
     """Generates GRPO groups with a causal LM on one mesh slice.
 
-    model: a CausalLM (its parameters are placed on ``mesh`` with ``shard_module``, by the logical rules training
-    uses; the decode batch is sharded on 'data'/'fsdp' where the bucket divides). max_batch: rows decoded together (a
+    model: a CausalLM (its parameters are placed on ``mesh`` with ``shard_module`` by ``decode_rules(rules)``: split
+    over 'tensor' only, replicated over the data axes, so no decode step gathers a weight; the decode batch is sharded
+    on 'data'/'fsdp' where the bucket divides). max_batch: rows decoded together (a
     wave). max_len: KV-cache capacity per row (prompt + generated). chunk_size: decode steps per host round trip.
     batch_buckets / length_buckets: the shapes compiled steps are specialised to. precompile: compile every decode
     and compaction step ahead of time (prefill compiles on first use, its shape depends on the call).
@@ -122,7 +123,8 @@ class RolloutEngine:
         self.capture = capture
         self.max_stop_tokens = int(max_stop_tokens)
         self.drafter_kind, self.spec, drafter = resolve_drafter(drafter, spec, cfg)
-        self.graphdef, self.params = nnx.split(shard_module(model, self.mesh, rules))
+        self.param_rules = decode_rules(rules)  # weights split over "tensor" only: decode steps gather none
+        self.graphdef, self.params = nnx.split(shard_module(model, self.mesh, self.param_rules))
         # Arms: "off" + the speculative arms (adaptive: the bandit's list); the tree shape of each verify step.
         self.arms = self.spec.engine_arms(self.drafter_kind) if self.spec else (Arm("off"),)
         self.arm_specs = {a: self.spec.for_arm(a) for a in self.arms if a.speculative}
@@ -132,7 +134,7 @@ class RolloutEngine:
         self.ngram = drafter if self.drafter_kind == "ngram" else self.ngram
         self.drafter_graphdef, self.drafter_params = None, None
         if self.drafter_kind == "eagle":
-            self.drafter_graphdef, self.drafter_params = nnx.split(shard_module(drafter, self.mesh, rules))
+            self.drafter_graphdef, self.drafter_params = nnx.split(shard_module(drafter, self.mesh, self.param_rules))
         self.ctx = StepContext(
             graphdef=self.graphdef,
             config=cfg,
@@ -167,16 +169,18 @@ class RolloutEngine:
     def set_params(self, model: CausalLM) -> None:
         """Publish new policy weights (same shapes): compiled steps stay valid."""
         model = rollout_copy(model, **self.rollout_layout)  # rollout layout (issue 19)
-        graphdef, params = nnx.split(shard_module(model, self.mesh, self.rules))
+        graphdef, params = nnx.split(shard_module(model, self.mesh, self.param_rules))
         if graphdef != self.graphdef:
             raise ValueError("set_params: the new model's structure differs from the engine's model")
         self.params = params
 
     def set_drafter(self, drafter) -> None:
-        """Publish new EAGLE drafter weights (same structure): compiled steps stay valid."""
+        """Publish new EAGLE drafter weights (same structure): compiled steps stay valid. A generate call running on
+        another thread (a hot swap) drafts with them from its next chunk, which first rebuilds each row's drafter cache
+        with them over the sequence so far (``drafter_sync.forget``; the chunk's stats say ``drafter_swapped``)."""
         if self.drafter_kind != "eagle":
             raise ValueError("set_drafter: this engine has no EAGLE drafter")
-        graphdef, params = nnx.split(shard_module(drafter, self.mesh, self.rules))
+        graphdef, params = nnx.split(shard_module(drafter, self.mesh, self.param_rules))
         if graphdef != self.drafter_graphdef:
             raise ValueError("set_drafter: the new drafter's structure differs from the engine's drafter")
         self.drafter_params = params

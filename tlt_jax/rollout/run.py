@@ -18,6 +18,7 @@ import numpy as np
 from tlt_jax.adaptive import Arm, Bandit, SpecGate, agreed_all, agreed_seconds
 from tlt_jax.distributed.multihost import to_host
 from tlt_jax.rollout import buckets as bk
+from tlt_jax.rollout.drafter_sync import forget
 from tlt_jax.rollout.params import RolloutResult, SamplingParams
 from tlt_jax.rollout.plan import step_key
 from tlt_jax.rollout.pool import StepKey, StepPool
@@ -129,6 +130,7 @@ class GenerateRun:
         b = len(slots)
         wave_t0, spec_on = time.perf_counter(), False
         drafter_current = False  # an EAGLE verify ran last: no prefill / plain / n-gram pairs left to catch up over
+        drafted_with = None  # the drafter weights that built the drafter cache (the last EAGLE verify's)
         gate = SpecGate(e.spec.threshold, e.spec.patience) if e.spec else None  # per wave: hysteresis
         while True:
             done, ngen = info.done, info.num_generated
@@ -184,6 +186,11 @@ class GenerateRun:
             if arm.kind == "ngram":
                 args = (*args, *map(self._put, self._ngram_trees(arm, live, slots)))
             elif arm.kind == "eagle":
+                swapped = drafted_with is not None and args[0][1] is not drafted_with
+                if swapped:  # a hot swap (set_drafter during the call): the new weights rebuild the drafter cache
+                    state, drafter_current = state.replace(aux=forget(state.aux)), False
+                    args = (args[0], state)
+                drafted_with = args[0][1]
                 args = (*args, self._rounds(self._spec_steps(arm)))
             host_s = time.perf_counter() - t0
             compiled_s = e.pool.compile_seconds
@@ -215,6 +222,8 @@ class GenerateRun:
                 chunk["waited_for"] = str(wanted)  # the bandit's choice, compiling in the background
             if not quiet:
                 chunk["compile_overlap"] = True
+            if arm.kind == "eagle" and swapped:
+                chunk["drafter_swapped"] = True  # it rebuilt the drafter cache with the new weights first
             if not arm.speculative:
                 chunk["steps"] = int(emitted.max(initial=0))
             else:

@@ -9,7 +9,8 @@ n-gram steps recorded since it last ran (``tlt_jax.rollout.drafter_sync``). A ve
     [EAGLE: drafter caught up] → tree (EAGLE-2 draft on device from the drafter cache | n-gram trie built on the host)
     → one policy forward over the tree (tlt_jax.speculative.verify_tree: Rule S, each token keyed by its position,
       stop tokens / budget truncated exactly as plain decoding) → accepted path written into the tokens, log-probs,
-      hidden capture and KV cache → drafter extended over the emitted tokens (EAGLE) or their pairs recorded (n-gram).
+      hidden capture and KV cache → drafter extended over the emitted tokens (EAGLE; their pairs recorded too, for
+      a rebuild after a hot swap) or their pairs recorded (n-gram).
 
 EAGLE runs up to ``steps_per_call`` verify steps per host round trip (``lax.while_loop``, early exit when every row is
 done); the n-gram arm runs one, since the host builds each tree from the tokens of the previous one.
@@ -28,6 +29,7 @@ import numpy as np
 
 from tlt_jax.adaptive.arms import Arm, parse_arms
 from tlt_jax.adaptive.bandit import BanditConfig
+from tlt_jax.distributed import with_activations
 from tlt_jax.rollout.drafter_sync import LazyDraft, catch_up, record_pairs
 from tlt_jax.rollout.pool import StepKey, StepPool
 from tlt_jax.rollout.state import DecodeState
@@ -232,9 +234,9 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
             head=head, sampling=sampling if spec.coupled else None,
         )
         out = verify_rows(model, state, tree, spec, length, sampling)
-        ds = drafter_extend(
-            model, drafter, ds, out.hidden, jnp.maximum(out.tokens, 0), out.num_emitted, attend_len=dlen
-        )
+        emitted = jnp.maximum(out.tokens, 0)
+        ds = drafter_extend(model, drafter, ds, out.hidden, emitted, out.num_emitted, attend_len=dlen)
+        sync = record_pairs(sync, state.cache.lengths, out.hidden, emitted, out.num_emitted)  # for a rebuild (forget)
         return commit_verify(state, out, ctx.capture_side).replace(aux=sync.replace(draft=ds)), out.accept_len
 
     def step(params, state: DecodeState, rounds):
@@ -260,7 +262,7 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
         return state, step_info(state, ngen, width, verifies=nv, accepted=acc)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
-    return jax.jit(step, donate_argnums=(1,), out_shardings=out_sh)
+    return jax.jit(with_activations(step, ctx.mesh, ctx.rules), donate_argnums=(1,), out_shardings=out_sh)
 
 
 def build_verify_ngram(ctx: StepContext, spec: SpecConfig, key: StepKey):
@@ -282,7 +284,7 @@ def build_verify_ngram(ctx: StepContext, spec: SpecConfig, key: StepKey):
         return state, step_info(state, ngen, spec.depth + 1, verifies=active.astype(jnp.int32), accepted=acc)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
-    return jax.jit(step, donate_argnums=(1,), out_shardings=out_sh)
+    return jax.jit(with_activations(step, ctx.mesh, ctx.rules), donate_argnums=(1,), out_shardings=out_sh)
 
 
 def register_spec(pool: StepPool, ctx: StepContext, spec: SpecConfig, kind: str) -> str:

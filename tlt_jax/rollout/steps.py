@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tlt_jax.distributed import LogicalRules
+from tlt_jax.distributed import LogicalRules, with_activations
 from tlt_jax.models import KVCache, ModelConfig
 from tlt_jax.rollout.drafter_sync import LazyDraft, record_pairs
 from tlt_jax.rollout.pool import StepKey, StepPool
@@ -217,7 +217,7 @@ def build_prefill(ctx: StepContext, key: StepKey):
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
     if ctx.capture_prompt:  # sharded like the prompts (the host gathers it), not replicated on every device
         out_sh += (ctx.batch_sharding((key.extra[0], ctx.capture_prompt, cfg.hidden_size)),)
-    return jax.jit(step, out_shardings=out_sh)
+    return jax.jit(with_activations(step, ctx.mesh, ctx.rules), out_shardings=out_sh)
 
 
 def build_decode(ctx: StepContext, key: StepKey):
@@ -248,7 +248,7 @@ def build_decode(ctx: StepContext, key: StepKey):
         return state, step_info(state, ngen, k if ctx.report_tokens else 0)
 
     out_sh = (ctx.state_shardings(ctx.abstract_state(key.batch)), ctx.replicated())
-    return jax.jit(step, donate_argnums=(1,), out_shardings=out_sh)
+    return jax.jit(with_activations(step, ctx.mesh, ctx.rules), donate_argnums=(1,), out_shardings=out_sh)
 
 
 def build_compact(ctx: StepContext, key: StepKey):

@@ -1,0 +1,109 @@
+"""The rollout's decode layout (issue 42): the engine holds the policy split over mesh.tensor only (replicated over the
+data axes), so its compiled decode and verify steps all-gather no weight, on 8 simulated devices."""
+
+import re
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tlt_jax.distributed import LogicalRules, MeshConfig, decode_rules, make_mesh, max_device_bytes
+from tlt_jax.models import CausalLM, tiny_config
+from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
+
+FAST = {"xla_backend_optimization_level": 0}
+ALL_GATHER = re.compile(r"= \w+\[([\d,]*)\]\{[^}]*\} all-gather(?:-start)?\(")
+
+
+def test_decode_rules_drop_the_data_axes_from_parameters_only():
+    rules = decode_rules(LogicalRules())
+    assert rules.lookup("batch") == ("data", "fsdp")  # the decode batch stays split over the data axes
+    assert rules.lookup("embed") == () and rules.lookup("vocab") == ("tensor",) and rules.lookup("mlp") == ("tensor",)
+    custom = decode_rules(LogicalRules.from_mapping({**dict(LogicalRules().rules), "mlp": ["fsdp", "tensor"]}))
+    assert custom.lookup("mlp") == ("tensor",)
+
+
+def _weight_shapes(model) -> set[tuple[int, ...]]:
+    """Every parameter's shape, and its per-layer shape (without the stacked 'layers' axis)."""
+    shapes = set()
+    for x in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        shapes |= {tuple(x.shape), tuple(x.shape[1:])}
+    return {s for s in shapes if len(s) >= 2}
+
+
+def _gathered_weights(engine, weights) -> dict[str, list]:
+    out = {}
+    for key in engine.pool.keys():
+        if key.phase in ("decode", "verify"):
+            text = engine.pool.compile(key).as_text()
+            shapes = [tuple(int(d) for d in m.split(",") if d) for m in ALL_GATHER.findall(text)]
+            out[key.phase] = [s for s in shapes if s in weights]
+    return out
+
+
+def _run(model, mesh, param_rules_fn=None):
+    kw = dict(max_batch=8, max_len=32, length_buckets=(32,), batch_buckets=(8,), compiler_options=FAST)
+    engines = [RolloutEngine(model, mesh, **kw),
+               RolloutEngine(model, mesh, drafter="ngram", spec=SpecConfig(depth=2, topk=1, verify_tokens=3,
+                                                                             threshold=8), **kw)]
+    params = SamplingParams(temperature=0.0, n=2, max_new_tokens=6, ignore_eos=True)
+    results = []
+    for e in engines:
+        if param_rules_fn is not None:
+            e.param_rules = param_rules_fn(e.rules)
+            e.set_params(model)
+        results.append(e.generate([[1, 2, 3, 4]] * 4, params))
+    return engines, results
+
+
+def test_decode_and_verify_steps_gather_no_weight_on_8_devices():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    model = CausalLM(tiny_config(), rngs=nnx.Rngs(0))
+    masters = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    weights = _weight_shapes(model)
+    (plain, spec), (got_plain, got_spec) = _run(model, mesh)
+    gathered = {**_gathered_weights(plain, weights), **_gathered_weights(spec, weights)}
+    assert set(gathered) == {"decode", "verify"} and gathered == {"decode": [], "verify": []}
+    assert got_spec.tokens == got_plain.tokens
+    # The old layout (the training rules: weights split over fsdp) gathers weights in the same steps: the check bites.
+    (old, old_spec), (want, _) = _run(model, mesh, param_rules_fn=lambda rules: rules)
+    assert _gathered_weights(old, weights)["decode"] and want.tokens == got_plain.tokens
+    # The reshard leaves the trained (master) weights bit-identical and the decode copy equal to them.
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(model, nnx.Param)), masters)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, plain.params), masters)
+    # Per device the decode copy is the whole model split in two (tensor = 2), more than the training layout's.
+    total = sum(x.nbytes for x in jax.tree.leaves(masters))
+    assert total // 2 <= max_device_bytes(plain.params) < total
+    assert max_device_bytes(old.params) < max_device_bytes(plain.params)
+
+
+def _gathered_caches(engine, head_dim: int, lengths: tuple[int, ...]) -> list:
+    shapes = []
+    for key in engine.pool.keys():
+        if key.phase == "decode":
+            for m in ALL_GATHER.findall(engine.pool.compile(key).as_text()):
+                s = tuple(int(d) for d in m.split(",") if d)
+                if len(s) == 4 and s[-1] == head_dim and s[1] in lengths:  # [B, S or attend_len, KV, D]
+                    shapes.append(s)
+    return shapes
+
+
+def test_pallas_kernel_runs_under_shard_map_gathering_no_cache(monkeypatch):
+    """With attention_impl="pallas" on a 2 x 2 x 2 mesh the kernel runs per device on its rows and heads
+    (``kernel_attention``): the decode step gathers no KV cache, and decodes the XLA engine's tokens. Called
+    without the shard_map (no activation context), the same step all-gathers the cache into the kernel."""
+    import tlt_jax.models.layers as layers
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    cfg = tiny_config()
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
+    kw = dict(max_batch=8, max_len=32, length_buckets=(16, 32), batch_buckets=(8,), compiler_options=FAST)
+    params = SamplingParams(temperature=0.0, n=2, max_new_tokens=14, ignore_eos=True)
+    xla = RolloutEngine(model, mesh, **kw).generate([[1, 2, 3, 4]] * 4, params)
+    kernel = RolloutEngine(model, mesh, attention_impl="pallas", **kw)
+    assert kernel.generate([[1, 2, 3, 4]] * 4, params).tokens == xla.tokens
+    assert _gathered_caches(kernel, cfg.head_dim, (16, 32)) == []
+    monkeypatch.setattr(layers, "activation_context", lambda: None)
+    unsharded = RolloutEngine(model, mesh, attention_impl="pallas", **kw)
+    assert unsharded.generate([[1, 2, 3, 4]] * 4, params).tokens == xla.tokens
+    assert _gathered_caches(unsharded, cfg.head_dim, (16, 32))

@@ -1,0 +1,95 @@
+"""FSDP training on simulated devices (issue 42): activations split by batch through every layer, so a train step's
+temporary memory per device falls as devices are added; log-probs over the vocabulary in chunks (parity with the
+whole-logits reference, values and gradients); a bfloat16 reference policy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tlt_jax.config import OptimConfig
+from tlt_jax.distributed import LogicalRules, activation_sharding, constrain, init_sharded
+from tlt_jax.models import CausalLM, tiny_config
+from tlt_jax.rl.logprobs import chunked_token_logprobs, token_logprobs
+from tlt_jax.rl.train_step import LossConfig, init_train_state, make_optimizer, make_train_step
+
+CFG = tiny_config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
+                  max_position_embeddings=512)
+
+
+def _train_step_memory(devices: int, batch: int = 16, length: int = 128, micro: int = 8) -> tuple[int, int]:
+    """(temporary, argument) bytes per device of one compiled train step with the model FSDP over ``devices``."""
+    mesh = Mesh(np.array(jax.devices()[:devices]).reshape(1, devices, 1), ("data", "fsdp", "tensor"))
+    graphdef, params, rest = nnx.split(init_sharded(lambda: CausalLM(CFG, rngs=nnx.Rngs(0)), mesh), nnx.Param, ...)
+    tx = make_optimizer(OptimConfig(), 10)
+    state = init_train_state(params, tx)
+    step = make_train_step(graphdef, tx, LossConfig(micro_batch_size=micro, kl_coef=0.01), state, mesh=mesh)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    spec = {k: jax.ShapeDtypeStruct((batch, length), dt, sharding=rows) for k, dt in (
+        ("input_ids", jnp.int32), ("attention_mask", jnp.int32), ("response_mask", jnp.int32),
+        ("old_logp", jnp.float32), ("ref_logp", jnp.float32))}
+    spec["advantages"] = jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=rows)
+    spec["loss_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
+    mem = step.lower(state, rest, spec).compile().memory_analysis()
+    return mem.temp_size_in_bytes, mem.argument_size_in_bytes
+
+
+def test_train_step_memory_per_device_falls_as_devices_double():
+    """Each doubling of the devices about halves the temporary bytes, as it does the arguments (parameters and
+    optimizer state, FSDP): activations are split by batch through every layer, not kept whole on every device."""
+    temp2, arg2 = _train_step_memory(2)
+    temp4, arg4 = _train_step_memory(4)
+    temp8, arg8 = _train_step_memory(8)
+    assert temp4 < 0.65 * temp2 and temp8 < 0.65 * temp4, (temp2, temp4, temp8)
+    assert arg4 < 0.6 * arg2 and arg8 < 0.6 * arg4
+
+
+def test_chunked_logprobs_match_whole_logits_values_and_gradients():
+    model = CausalLM(tiny_config(), rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(0), (2, 41), 0, 256)
+    hidden = model(ids).hidden[:, :-1]
+    targets = ids[:, 1:]
+
+    def whole(h):
+        return token_logprobs(model.logits_from_hidden(h), targets, 0.9)
+
+    def chunked(h):
+        return chunked_token_logprobs(model, h, targets, 0.9, chunk=16)  # 40 positions: 3 chunks, the last padded
+
+    for a, b in zip(whole(hidden), chunked(hidden), strict=True):
+        np.testing.assert_allclose(b, a, atol=2e-6)
+    g_whole = jax.grad(lambda h: whole(h)[0].sum() + whole(h)[1].sum())(hidden)
+    g_chunk = jax.grad(lambda h: chunked(h)[0].sum() + chunked(h)[1].sum())(hidden)
+    np.testing.assert_allclose(g_chunk, g_whole, atol=1e-6)
+    text = jax.jit(chunked).lower(hidden).as_text()
+    assert "2x16x256xf32" in text and "40x256" not in text  # logits only as [2, 16, 256] chunks, never [2, 40, 256]
+
+
+def test_constrain_pins_activations_only_inside_a_sharded_trace():
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2, 1), ("data", "fsdp", "tensor"))
+    x = jnp.ones((8, 4, 16))
+    assert constrain(x, ("batch", None, None)) is x  # outside: untouched
+
+    def f(x):
+        with activation_sharding(mesh, LogicalRules()):
+            return constrain(x * 2, ("batch", None, None))
+
+    assert jax.jit(f)(x).sharding.spec == P(("data", "fsdp"))  # rows over data x fsdp, the rest whole
+
+
+def test_reference_policy_is_bfloat16():
+    from test_main import _cfg
+
+    from tlt_jax.builders import build_data, build_engine, build_model, build_reward
+    from tlt_jax.distributed import make_mesh
+    from tlt_jax.rl.learner import GRPOLearner
+
+    cfg = _cfg("tiny.py", "--config.rl.kl_coef=0.01")
+    mesh = make_mesh(cfg.mesh)
+    model, tok = build_model(cfg, mesh)
+    engine = build_engine(cfg, model, mesh, build_data(cfg, tok, model.config))
+    learner = GRPOLearner(cfg, model, engine, build_reward(cfg, tok), mesh=mesh)
+    assert {x.dtype for x in jax.tree.leaves(learner.ref_params)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(learner.state.params)} == {jnp.dtype(jnp.float32)}
