@@ -23,8 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from gpu_weights import atomic_write
 
 FORMAT = "tlt_jax.gpu_tlt_data.v1"
 MANIFEST = "data.json"
@@ -54,15 +55,7 @@ def _write_rows(path: Path, examples: list[dict]) -> str:
         json.dumps({"question": ex["question"], "answer": f"#### {ex['ground_truth']}", "id": ex["id"]}) + "\n"
         for ex in examples
     )
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(path, text.encode())
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -66,13 +66,13 @@ def split(src: str | os.PathLike, out_dir: str | os.PathLike, pieces: int = 3, m
             folder = out_dir / f"p{i}"
             folder.mkdir(parents=True, exist_ok=True)
             name = f"{src.name}.part{i}"
-            _atomic_write(folder / name, data)
+            atomic_write(folder / name, data)
             manifest["pieces"].append(
                 {"index": i, "path": f"p{i}/{name}", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             )
     text = json.dumps(manifest, indent=1) + "\n"
     for folder in [out_dir, *(out_dir / f"p{p['index']}" for p in manifest["pieces"])]:
-        _atomic_write(folder / MANIFEST, text.encode())
+        atomic_write(folder / MANIFEST, text.encode())
     return manifest
 
 
@@ -155,7 +155,8 @@ def join(xfer_dir: str | os.PathLike = DEFAULT_DIR, out: str | os.PathLike | Non
     return out
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed into place: a reader never sees a partial file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -559,3 +559,19 @@ def nnx_merge(engine):
     from flax import nnx
 
     return nnx.merge(engine.graphdef, engine.params)
+
+
+def test_startup_plan_refuses_a_run_that_does_not_fit(tmp_path):
+    """train.plan_check=on plans the run at start-up (tlt_jax.plan): one summary line when it fits, and a run whose
+    plan exceeds train.device_memory_gb stops with one line naming the keys to change (exit 2), before any step."""
+    proc = _cli(tmp_path / "small", "--config.train.plan_check=on", "--config.train.device_memory_gb=0.0001")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 2, out
+    line = next(x for x in out.splitlines() if "does not fit" in x)
+    assert "change" in line and "mesh.fsdp" in line, line
+    assert not (tmp_path / "small" / "metrics.jsonl").exists()
+    proc = _cli(tmp_path / "fits", "--config.train.plan_check=on", "--config.train.num_steps=1",
+                "--config.eval.at_start=False")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert any(x.startswith("plan: 8 devices") and "peak" in x for x in out.splitlines()), out  # no budget on CPU

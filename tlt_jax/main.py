@@ -170,6 +170,7 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
     from tlt_jax.metrics.plots import write_plots
     from tlt_jax.metrics.records import append_lengths, drop_steps_after
     from tlt_jax.metrics.writers import COLUMNS
+    from tlt_jax.plan import startup_check
     from tlt_jax.rl.learner import GRPOLearner, check_micro_batch
 
     t_start = time.perf_counter()
@@ -186,6 +187,9 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
 
     mesh = make_mesh(cfg.mesh)
     check_micro_batch(cfg, mesh)  # before the model loads: a micro-batch must split over the batch axes
+    plan = startup_check(cfg, mesh)  # train.plan_check ("auto": GPU / TPU); a run that does not fit: ConfigError
+    if plan is not None and jax.process_index() == 0:
+        print(plan.summary(), flush=True)
     model, tokenizer = build_model(cfg, mesh)
     data = build_data(cfg, tokenizer, model.config)
     reward_fn = ProcessShardedReward(build_reward(cfg, tokenizer))  # each process scores the prompts it read

@@ -28,7 +28,7 @@ from tlt_jax.distributed import LogicalRules, split_mesh, state_shardings
 from tlt_jax.models import ModelConfig
 from tlt_jax.models.weights import abstract_model
 from tlt_jax.rl.learner import bucket_length
-from tlt_jax.rl.train_step import BATCH_KEYS, LossConfig, TrainState, make_optimizer
+from tlt_jax.rl.train_step import BATCH_KEYS, LossConfig, TrainState, make_optimizer, optimizer_shardings
 
 __all__ = [
     "SHAPES",
@@ -137,17 +137,8 @@ def abstract_policy(cfg: Config, mcfg: ModelConfig, mesh: Mesh, rules: LogicalRu
 
 def abstract_train_state(params: nnx.State, tx: optax.GradientTransformation) -> TrainState:
     """``init_train_state(params, tx)`` abstractly: moments placed like the parameters, scalars replicated."""
-    sharding = jax.tree.leaves(params)[0].sharding
-    replicated = NamedSharding(sharding.mesh, PartitionSpec())
-    params_def = jax.tree.structure(params)
-    param_shardings = jax.tree.map(lambda x: x.sharding, params)
-    like_params = lambda x: jax.tree.structure(x) == params_def
-
-    def shardings_of(sub):
-        return param_shardings if like_params(sub) else jax.tree.map(lambda _: replicated, sub)
-
-    opt = jax.eval_shape(tx.init, params)
-    opt = on_mesh(opt, jax.tree.map(shardings_of, opt, is_leaf=like_params))
+    opt, shardings, replicated = optimizer_shardings(params, tx)
+    opt = on_mesh(opt, shardings)
     counter = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     return TrainState(params, opt, counter, counter)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ __all__ = [
     "lr_schedule",
     "make_optimizer",
     "make_train_step",
+    "optimizer_shardings",
     "train_step",
 ]
 
@@ -103,7 +105,16 @@ def init_train_state(params: nnx.State, tx: optax.GradientTransformation) -> Tra
     sharding = jax.tree.leaves(params)[0].sharding
     if not isinstance(sharding, NamedSharding):
         return TrainState(params, jax.jit(tx.init)(params), step, skipped)
-    replicated = NamedSharding(sharding.mesh, PartitionSpec())
+    _, out, replicated = optimizer_shardings(params, tx)
+    opt_state = jax.jit(tx.init, out_shardings=out)(params)
+    step, skipped = jax.device_put((step, skipped), replicated)
+    return TrainState(params, opt_state, step, skipped)
+
+
+def optimizer_shardings(params: nnx.State, tx: optax.GradientTransformation) -> tuple[Any, Any, NamedSharding]:
+    """(abstract optimizer state, its shardings, the replicated sharding) for parameters placed on a mesh: moment
+    trees (structured like the parameters) sharded like them, every other leaf (counters) replicated."""
+    replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, PartitionSpec())
     params_def = jax.tree.structure(params)
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     like_params = lambda x: jax.tree.structure(x) == params_def
@@ -112,10 +123,7 @@ def init_train_state(params: nnx.State, tx: optax.GradientTransformation) -> Tra
         return param_shardings if like_params(sub) else jax.tree.map(lambda _: replicated, sub)
 
     abstract = jax.eval_shape(tx.init, params)
-    out = jax.tree.map(shardings_of, abstract, is_leaf=like_params)
-    opt_state = jax.jit(tx.init, out_shardings=out)(params)
-    step, skipped = jax.device_put((step, skipped), replicated)
-    return TrainState(params, opt_state, step, skipped)
+    return abstract, jax.tree.map(shardings_of, abstract, is_leaf=like_params), replicated
 
 
 def _micro_weight(mode: str, mask: jax.Array, total_tokens: jax.Array, total_rows: jax.Array) -> jax.Array:
