@@ -275,6 +275,7 @@ def test_too_few_devices_is_a_clear_error(monkeypatch):
     from tlt_jax.plan.__main__ import setup_devices
 
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    assert len(jax.devices("cpu")) == 8  # the backend runs first (the conftest's 8): setup_devices can't change it
     assert len(setup_devices(4)) == 4
     with pytest.raises(app.UsageError, match="JAX already runs with 8 CPU devices in this process"):
         setup_devices(16)
