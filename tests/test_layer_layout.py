@@ -104,3 +104,21 @@ def test_unstacked_decode_program_slices_no_weights_out_of_a_stack():
     flat, flat_hlo = _decode_program("unstacked")
     assert "stablehlo.while" not in flat and "dynamic_slice" not in flat
     assert not per_layer_slice.findall(flat_hlo) and "dynamic_index_in_dim" not in flat_hlo
+
+
+def _decode_chunk_temp_bytes(num_layers: int) -> int:
+    cfg = tiny_config(num_layers=num_layers, hidden_size=128, intermediate_size=256, vocab_size=512,
+                      max_position_embeddings=1024)
+    engine = RolloutEngine(CausalLM(cfg, rngs=nnx.Rngs(0)), max_batch=16, max_len=1024, length_buckets=(1024,),
+                           batch_buckets=(16,), layers="unstacked", compiler_options=FAST)
+    engine.generate([[1, 2, 3]] * 16, SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True))
+    key = next(k for k in engine.pool.keys() if k.phase == "decode")
+    return engine.pool.compile(key).memory_analysis().temp_size_in_bytes
+
+
+def test_unstacked_decode_chunk_holds_no_copy_of_every_layers_cache():
+    """Decode attention reads each layer's cache in place: the unrolled chunk's temporaries do not grow with the
+    layers. (A dot per layer transposes each layer's cache; in the unrolled program those copies could all be
+    scheduled early and alive at once: a whole extra KV cache.)"""
+    layer_cache = 2 * 16 * 1024 * 2 * 32 * 4  # k and v of one layer: 16 rows x 1024 positions x 2 heads x 32 x fp32
+    assert _decode_chunk_temp_bytes(6) - _decode_chunk_temp_bytes(2) < layer_cache

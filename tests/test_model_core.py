@@ -51,7 +51,7 @@ def test_attend_len_reads_only_the_cache_prefix(model):
     part = model(tok, cache=junk, attend_len=16)
     np.testing.assert_array_equal(part.logits, cut.logits)
     np.testing.assert_allclose(part.logits, full.logits, atol=1e-5, rtol=0)
-    np.testing.assert_array_equal(part.k_new, full.k_new)
+    np.testing.assert_allclose(part.k_new, full.k_new, atol=1e-6, rtol=0)  # sums over 16 vs 32 positions: rounding
     long = KVCache(junk.k, junk.v, jnp.full((3,), 20))  # rows "see" 20 positions: attend_len=16 hides the junk
     seen = model(tok, cache=long, attend_len=16).logits
     np.testing.assert_array_equal(seen, model(tok, cache=KVCache(cache.k, cache.v, long.lengths).view(16)).logits)

@@ -54,9 +54,10 @@ def attention(q, k_new, v_new, new_mask, k_cache=None, v_cache=None, cache_mask=
     q [B,T,H,D]; k_new, v_new [B,T,KV,D]; new_mask [B,T,T] bool (which new keys each query sees: causal, tree or
     segment mask); k_cache, v_cache [B,S,KV,D] and cache_mask [B,T,S] bool (which cached keys are visible).
     The matmuls read q, keys and values in their own dtype and accumulate in float32 (no float32 copy of the cache);
-    softmax in float32 over the cache and the new keys as two blocks sharing one max and one sum, so the cache is
-    never concatenated with the new keys. This is the plain XLA reference the tree-attention kernels are tested
-    against.
+    a single new token (decode) takes reductions instead, which read the cache in its [B, S, KV, D] layout where a
+    dot would first transpose it (a whole-cache copy per layer and step). Softmax in float32 over the cache and the
+    new keys as two blocks sharing one max and one sum, so the cache is never concatenated with the new keys. This
+    is the plain XLA reference the tree-attention kernels are tested against.
     """
     b, t, h, d = q.shape
     kv = k_new.shape[2]
@@ -65,7 +66,11 @@ def attention(q, k_new, v_new, new_mask, k_cache=None, v_cache=None, cache_mask=
     neg = jnp.finfo(f32).min
 
     def scores(k, mask):
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=f32) * f32(d**-0.5)
+        if t == 1:  # decode: a reduction over head_dim reads the cache where it lies (a dot would transpose it)
+            prod = qg[:, 0, None].astype(f32) * k.astype(f32)[:, :, :, None, :]  # [B, S, KV, G, D]
+            s = jnp.moveaxis(jnp.sum(prod, axis=-1), 1, -1)[:, :, :, None, :] * f32(d**-0.5)  # [B, KV, G, 1, S]
+        else:
+            s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=f32) * f32(d**-0.5)
         return jnp.where(mask[:, None, None], s, neg)
 
     blocks = [(scores(k_new, new_mask), v_new)]
@@ -74,13 +79,13 @@ def attention(q, k_new, v_new, new_mask, k_cache=None, v_cache=None, cache_mask=
     top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s, _ in blocks])
     weights = [jnp.exp(s - top) for s, _ in blocks]
     total = functools.reduce(jnp.add, [jnp.sum(w, axis=-1, keepdims=True) for w in weights])
-    out = functools.reduce(
-        jnp.add,
-        [
-            jnp.einsum("bkgts,bskd->btkgd", (w / total).astype(v.dtype), v, preferred_element_type=f32)
-            for w, (_, v) in zip(weights, blocks, strict=True)
-        ],
-    )
+    def mix(w, v):
+        if t == 1:  # decode: a reduction over the positions, the values read where they lie
+            p = jnp.moveaxis(w[:, :, :, 0], -1, 1)  # [B, S, KV, G]
+            return jnp.sum(p[..., None] * v.astype(f32)[:, :, :, None, :], axis=1)[:, None]  # [B, 1, KV, G, D]
+        return jnp.einsum("bkgts,bskd->btkgd", w.astype(v.dtype), v, preferred_element_type=f32)
+
+    out = functools.reduce(jnp.add, [mix(w / total, v) for w, (_, v) in zip(weights, blocks, strict=True)])
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
