@@ -79,6 +79,7 @@ def attention(q, k_new, v_new, new_mask, k_cache=None, v_cache=None, cache_mask=
     top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s, _ in blocks])
     weights = [jnp.exp(s - top) for s, _ in blocks]
     total = functools.reduce(jnp.add, [jnp.sum(w, axis=-1, keepdims=True) for w in weights])
+
     def mix(w, v):
         if t == 1:  # decode: a reduction over the positions, the values read where they lie
             p = jnp.moveaxis(w[:, :, :, 0], -1, 1)  # [B, S, KV, G]

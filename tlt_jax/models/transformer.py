@@ -80,13 +80,6 @@ def unstack_layers(layers: DecoderLayer, n: int) -> nnx.List:
     return nnx.List(out)
 
 
-# Hidden states [B, T, E] between layers: split by batch (under a sharded train step; see distributed.constrain).
-ACTIVATION = ("batch", None, None)
-
-# Most new tokens per row the Pallas kernel takes (decode and verify trees); longer (prefill-sized) calls use XLA.
-PALLAS_MAX_NEW_TOKENS = 128
-
-
 def scan_layers(layers: DecoderLayer | nnx.List, x, cos, sin, new_mask, cache: KVCache | None, remat: bool = False,
                 attention_impl: str = "xla", attend_len: int | None = None):
     """Run the layers: stacked layers with lax.scan, an ``unstack_layers`` list unrolled (layer i reads cache layer

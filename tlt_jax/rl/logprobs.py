@@ -70,6 +70,7 @@ def chunked_token_logprobs(model, hidden: jax.Array, targets: jax.Array, tempera
     ts = jnp.swapaxes(jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk), 0, 1)
     one = jax.checkpoint(lambda hc, tc: token_logprobs(model.logits_from_hidden(hc), tc, temperature))
     logp, ent = jax.lax.map(lambda xs: one(*xs), (hs, ts))
+
     def unchunk(x):
         return jnp.swapaxes(x, 0, 1).reshape(b, n * chunk)[:, :t]
 
