@@ -123,6 +123,9 @@ def main() -> None:
             "rollout_s": [r["time/rollout_s"] for r in rows],
             "drafter_train_s": [r.get("controller/train_s", 0.0) for r in rows],
             "drafter_steps": [r.get("drafter/steps", 0.0) for r in rows],
+            "drafter_steps_per_slice": [[r.get(f"controller/train_steps/slice_{k}", 0.0) for k in range(args.slices)]
+                                        for r in rows],
+            "critical_s": [r.get("drafter/critical_s") for r in rows],  # drafter work on the RL step's path
             "drafter_heldout_top1": [r.get("drafter/top1") for r in rows],
             "hot_swaps": [r.get("controller/hot_swaps") for r in rows],
             "idle_s": [r.get("controller/idle_s") for r in rows],
@@ -155,6 +158,11 @@ def main() -> None:
         if name != "static":
             m["ratio_last"] = m["accept_length"][-1] / s["accept_length"][-1]
             m["ratio_second_half"] = sum(m["accept_length"][half:]) / sum(s["accept_length"][half:])
+            # one drafter step's seconds (the run's mean) against what drafter work added after each rollout
+            steps_run = sum(m["drafter_steps"])
+            m["drafter_step_s"] = sum(m["drafter_train_s"]) / steps_run if steps_run else None
+            crit = sorted(c for c in m["critical_s"] if c is not None)
+            m["critical_s_median"] = crit[len(crit) // 2] if crit else None
             if (m["final_eval"] or {}).get("accept_length") and (s["final_eval"] or {}).get("accept_length"):
                 m["ratio_final_eval"] = m["final_eval"]["accept_length"] / s["final_eval"]["accept_length"]
     trained = [n for n in names if n != "static"]
@@ -174,6 +182,11 @@ def main() -> None:
         )
     for n in trained:
         m = out["modes"][n]
+        crit = sorted(c for c in m["critical_s"] if c is not None)
+        if m["drafter_step_s"] and crit:
+            print(f"{n}: drafter work on the critical path, median {m['critical_s_median']:.3f} s per RL step "
+                  f"(max {crit[-1]:.3f}); one drafter step {m['drafter_step_s']:.3f} s; drafter steps per slice "
+                  f"{[sum(col) for col in zip(*m['drafter_steps_per_slice'], strict=True)]}")
         print(
             f"{n} / static accept: last step {m['ratio_last']:.2f}, second half {m['ratio_second_half']:.2f}; "
             f"drafter {sum(m['drafter_train_s']):.1f} s over the run"

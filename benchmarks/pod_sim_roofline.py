@@ -142,6 +142,25 @@ def drafter_demand(model: ModelSpec, hw: Hardware, response_tokens: float) -> fl
     return response_tokens * 6 * (model.drafter_params + model.head_params) / (hw.flops_s * hw.train_mfu)
 
 
+DRAFTER_STEP_TOKENS = 8 * 256  # one drafter step's batch: the config defaults drafter.rows x drafter.row_len
+
+
+def drafter_step_seconds(model: ModelSpec, hw: Hardware, tp: int, tokens: int = DRAFTER_STEP_TOKENS) -> float:
+    """Seconds of one drafter step of ``tokens`` tokens on one engine's ``tp`` devices (as ``drafter_demand``)."""
+    return drafter_demand(model, hw, float(tokens)) / tp
+
+
+def spot_training(times: list[float], step_s: float) -> dict[str, float]:
+    """What the built controller does with the engines' rollout times (``tlt_jax.controller.scheduler.simulate``):
+    an engine that finished trains whole drafter steps while any engine decodes, the step in flight at the rollout's
+    end finishes (the RL step waits for it: ``overhang_s``), none run after it (``steps_without_idle`` = 0)."""
+    from tlt_jax.controller.scheduler import ControllerConfig, simulate
+
+    _, m = simulate([t if t > 0 else None for t in times], step_s, ControllerConfig(steps_without_idle=0))
+    return dict(train_engine_s=m["controller/train_s"], overhang_s=m["controller/overhang_s"],
+                drafter_steps=m["controller/train_steps"])
+
+
 def rollout(lengths, prompt_len: int, engines: int, policy: ps.Policy, costs: ps.StepCosts) -> tuple[float, list]:
     """Responses dealt round-robin to ``engines`` identical engines; (slowest engine's seconds, every engine's)."""
     times = []
@@ -190,12 +209,15 @@ def project(
             idle = sum(roll - t for t in times) * tp
             if mode != "tlt":
                 break
-            stale = ps.mean_staleness(idle, demand, run_steps)
+            spot = spot_training(times, drafter_step_seconds(model, hw, tp))
+            stale = ps.mean_staleness(spot["train_engine_s"] * tp, demand, run_steps)  # whole steps, as dispatched
             accept = staleness.accept(stale)
+        extra = dict(spot, drafter_step_s=drafter_step_seconds(model, hw, tp)) if mode == "tlt" else {}
         out[mode] = dict(
             rollout_s=roll,
-            step_s=roll + train_s,
+            step_s=roll + train_s + (spot["overhang_s"] if mode == "tlt" else 0.0),  # + the drafter step in flight
             idle_device_s=idle,
+            **extra,
             max_batch=base["max_batch"],
             accept=accept if mode != "plain" else 1.0,
             staleness=stale if mode != "plain" else None,

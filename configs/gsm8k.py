@@ -59,6 +59,10 @@ def get_config():
     c.drafter.rows = 4
     c.drafter.row_len = 256
     c.rl.micro_batch_size = 4
+    # Recompute each decoder layer in the backward pass (the run's peak memory, issue 42): the update's saved
+    # attention probabilities [layers, 4, 9, T, T] and MLP intermediates set the peak when a response reaches the
+    # 256-token cap (T = 512).
+    c.model.remat = True
     c.optim.lr = 2e-5
     c.rl.kl_coef = 0.0  # no reference forward pass (as Dr. GRPO / DAPO); TLT's recipe uses 0.001
     c.eval.batch_size = 32

@@ -43,6 +43,19 @@ def _ckpt(tmp_path, **kw):
     )
 
 
+def test_settle_waits_for_the_pending_save_without_raising(tmp_path):
+    """The main loop calls ``settle`` before the next update donates the state a save may still read: afterwards no
+    save is pending and the step is on disk; with no save pending it returns at once."""
+    ck = _ckpt(tmp_path, async_save=True)
+    try:
+        ck.settle()  # nothing pending
+        assert ck.save(1, _state(), rng=np.zeros(2, np.uint32), data_iter=_iter(), controller={"step": 1})
+        ck.settle()
+        assert ck._pending is None and ck.poll() is None and ck.latest_step() == 1
+    finally:
+        ck.close()
+
+
 @pytest.mark.parametrize("async_save", [True, False])
 def test_round_trip_restores_everything(tmp_path, async_save):
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))

@@ -53,6 +53,30 @@ def test_early_slice_trains_until_the_last_rollout_ends():
     assert m["controller/rollout_s"] == 5.25 and m["controller/overhang_s"] == 0.25
 
 
+def test_a_process_dispatches_only_its_own_slices():
+    """Across processes a scheduler follows every slice but runs only its own: process A (slice 0) trains while the
+    other process's slices decode, stops after the step in flight once the last one anywhere ends, and its timeline
+    holds only slice 0; the other process (slices 1, 2) sees slice 0 end and trains slice 1 meanwhile."""
+    a = SliceScheduler(3, ControllerConfig(), local=[0])
+    a.start(0.0)
+    assert a.rollout_done(0, 1.0) == [0]
+    assert a.rollout_done(1, 2.0) == []  # another process's slice: idle, never dispatched here
+    assert a.train_step_done(0, 2.5)  # slice 2 still decodes
+    assert a.rollout_done(2, 2.75) == []
+    assert not a.train_step_done(0, 3.0)  # the last slice anywhere ended: stop
+    a.finish(3.0)
+    assert {iv["slice"] for iv in a.timeline} == {0}
+    assert [(iv["state"], iv["start"], iv["end"]) for iv in a.timeline] == [(BUSY, 0.0, 1.0), (TRAINING, 1.0, 3.0)]
+    b = SliceScheduler(3, ControllerConfig(steps_without_idle=2), local=[1, 2])
+    b.start(0.0)
+    assert b.rollout_done(0, 1.0) == []  # slice 0 is not b's; b's slices still decode
+    assert b.rollout_done(1, 2.0) == [1]
+    assert b.rollout_done(2, 2.75) == []  # rollout over; steps_without_idle is slice 0's, which b does not run
+    assert not b.train_step_done(1, 3.0)
+    with pytest.raises(ValueError, match="out of range"):
+        SliceScheduler(2, local=[2])
+
+
 def test_random_timings_keep_the_invariants():
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -172,8 +196,8 @@ def test_slices_bandits_get_distinct_deterministic_seeds(model):
     def bandits(r):
         rollout = SlicedRollout(model, mesh, r, **kw)
         try:
-            return [e.bandit.config.seed for e in rollout.engines], [e.state_dict()["bandit"]["rng"]
-                                                                       for e in rollout.engines]
+            engines = list(rollout.engines.values())
+            return [e.bandit.config.seed for e in engines], [e.state_dict()["bandit"]["rng"] for e in engines]
         finally:
             rollout.close()
 
@@ -294,3 +318,64 @@ def test_trained_drafter_published_to_eagle_slices_stays_lossless(model, two):
     for i in range(len(PROMPTS)):
         for j in range(2):
             np.testing.assert_allclose(res2.logprobs[i][j], want.logprobs[i][j], atol=1e-5)
+
+
+def test_activity_marks_other_owners_work():
+    from tlt_jax.adaptive.quiet import Activity
+
+    act = Activity()
+    m = act.mark(own="me")
+    with act.busy("me"):  # one's own work never disturbs
+        pass
+    assert act.quiet_since(m, own="me")
+    m = act.mark(own="me")
+    with act.busy("other"):  # started and ended within the chunk
+        pass
+    assert not act.quiet_since(m, own="me")
+    with act.busy("other"):
+        m = act.mark(own="me")  # running when the chunk starts
+    assert not act.quiet_since(m, own="me")
+    assert act.quiet_since(act.mark(own="me"), own="me")
+
+
+def test_disturbed_chunks_stay_out_of_the_bandit(model):
+    """Bandit hygiene: chunks that ran while other work of this process was registered (another slice's drafter
+    step or compile) are flagged and not observed by the bandit; the same call undisturbed is observed."""
+    from tlt_jax.adaptive.quiet import Activity
+    from tlt_jax.rollout import RolloutEngine, SpecConfig
+
+    spec = SpecConfig(arms=("off", "ngram:3x2x6"), seed=7, threshold=64)
+    engine = RolloutEngine(model, spec=spec, max_batch=8, max_len=64, chunk_size=4, length_buckets=(64,),
+                           compiler_options=FAST)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 5, 6, 5]]
+    engine.pool.activity = act = Activity()  # as a SlicedRollout's engines share one
+    try:
+        engine.generate(prompts, params)  # compiles; first runs are not observed either
+        seen = lambda: sum(len(v) for v in engine.bandit.state_dict()["observations"].values())  # noqa: E731
+        before = seen()
+        with act.busy(("drafter", 1)):
+            res = engine.generate(prompts, params)
+        assert res.stats["chunks"] and all(c.get("disturbed") for c in res.stats["chunks"])
+        assert seen() == before
+        res = engine.generate(prompts, params)
+        assert not any(c.get("disturbed") for c in res.stats["chunks"]) and seen() > before
+    finally:
+        engine.close()
+
+
+def test_deferred_compiles_wait_for_every_slice(model):
+    """Slices with compile_between_calls: no slice's pool starts its deferred compiles while another slice of the
+    process still decodes (every pool stays held through the call, whichever slice ends first), then all are
+    released."""
+    rollout = SlicedRollout(model, make_mesh(MeshConfig(data=8)), 2, max_batch=8, max_len=64, chunk_size=4,
+                            length_buckets=(64,), compile_between_calls=True, compiler_options=FAST)
+    held = []
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=[4, 20], ignore_eos=True)
+        rollout.generate([[1, 2, 3], [4, 5, 6]], params,
+                         on_chunk=lambda f, a: held.append([e.pool.held for e in rollout.engines.values()]))
+        assert held and all(all(h) for h in held)
+        assert not any(e.pool.held for e in rollout.engines.values())
+    finally:
+        rollout.close()

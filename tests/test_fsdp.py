@@ -93,3 +93,56 @@ def test_reference_policy_is_bfloat16():
     learner = GRPOLearner(cfg, model, engine, build_reward(cfg, tok), mesh=mesh)
     assert {x.dtype for x in jax.tree.leaves(learner.ref_params)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(learner.state.params)} == {jnp.dtype(jnp.float32)}
+
+
+def test_blocked_attention_matches_whole_values_and_gradients():
+    """Queries past ATTENTION_BLOCK are taken a block at a time (the last one padded): the same values and
+    gradients as all queries at once, without a [B, KV, G, T, T] score tensor."""
+    from tlt_jax.models import layers
+
+    rng = np.random.default_rng(0)
+    b, t, h, kv, d = 2, layers.ATTENTION_BLOCK + 37, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32) for n in (h, kv, kv))
+    valid = np.arange(t)[None] < np.array([[t], [t - 100]])
+    mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None] & valid[:, None, :])
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v, mask) ** 2)
+
+    np.testing.assert_allclose(layers.attention(q, k, v, mask), layers.attention_block(q, k, v, mask), atol=2e-6)
+    g_block = jax.grad(loss(layers.attention), argnums=(0, 1, 2))(q, k, v)
+    g_whole = jax.grad(loss(layers.attention_block), argnums=(0, 1, 2))(q, k, v)
+    for a, w in zip(g_block, g_whole, strict=True):
+        np.testing.assert_allclose(a, w, atol=2e-5, rtol=1e-5)
+    text = jax.jit(jax.grad(loss(layers.attention))).lower(q, k, v).as_text()
+    assert f"{t}x{t}xf32" not in text and f"{layers.ATTENTION_BLOCK}x{t}xf32" in text
+
+
+def test_vocab_parallel_logprobs_match_values_and_gradients():
+    """Inside a sharded trace the LM head runs split by vocabulary (no whole weight gathered, its gradient local):
+    the log-probs, entropies and gradients are those of the unsharded computation."""
+    from tlt_jax.rl.logprobs import vocab_parallel_head
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 8, 1), ("data", "fsdp", "tensor"))
+    model = CausalLM(tiny_config(tie_word_embeddings=False), rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ids = jax.random.randint(jax.random.key(1), (8, 41), 0, 256)
+    hidden = jax.random.normal(jax.random.key(2), (8, 40, model.config.hidden_size))
+    assert vocab_parallel_head(model) is None  # outside a sharded trace: the plain LM head
+
+    def f(params, hidden):
+        m = nnx.merge(graphdef, params, rest)
+        logp, ent = chunked_token_logprobs(m, hidden, ids[:, 1:], 0.9, chunk=16)
+        return jnp.sum(logp) + 0.5 * jnp.sum(ent), (logp, ent)
+
+    def sharded(params, hidden):
+        with activation_sharding(mesh, LogicalRules()):
+            assert vocab_parallel_head(nnx.merge(graphdef, params, rest)) is not None
+            return f(params, hidden)
+
+    (_, want), g_want = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, hidden)
+    (_, got), g_got = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1), has_aux=True))(params, hidden)
+    for a, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, w, atol=2e-6, rtol=2e-6)  # sums over the vocabulary in another order
+    for a, w in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
+        np.testing.assert_allclose(a, w, atol=2e-5, rtol=1e-5)

@@ -153,7 +153,7 @@ def test_controller_hot_swaps_a_replica_into_the_busy_slice(setup, monkeypatch):
             assert time.monotonic() < end, "timed out waiting for the other slice"
             time.sleep(0.005)
 
-    for e in rollout.engines:
+    for e in rollout.engines.values():
         hooked(e, wait)
     try:
         params = SamplingParams(temperature=0.0, max_new_tokens=[4, NEW], ignore_eos=True)

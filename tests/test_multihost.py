@@ -1,6 +1,7 @@
 """Multi-process runs on localhost: start-up sources, launch/local.sh's failure handling, a dead peer, and the main
 job on 2 processes x 4 simulated devices against 1 process x 8 (same metrics; resumed on another process count)."""
 
+import json
 import os
 import pathlib
 import shutil
@@ -207,18 +208,39 @@ except RuntimeError as e:
     diverged = str(e)
 from tlt_jax.adaptive import agreed_all, agreed_seconds
 agreed = [list(agreed_all(me == 0, True, me == 1)), agreed_seconds(0.25 + me), list(agreed_seconds(0.5 + me, 2.0 - me))]
+alone = [list(agreed_all(me == 0, across=False)), agreed_seconds(0.25 + me, across=False)]  # a slice's own engine
+exact = reduce_metrics({"response/len_p90": 8.6})["response/len_p90"] == 8.6  # float64 survives the gather
+# Sliced rollouts across processes: the board, process-local copies of sharded weights, the replicas' exchange.
+import time
+from tlt_jax.distributed.board import Board
+from tlt_jax.distributed.multihost import process_local
+from tlt_jax.drafter.spot import exchange_replicas
+board = Board("test")
+board.post(f"7/{me}")
+deadline = time.time() + 30
+while board.keys("7") != {"0", "1"} and time.time() < deadline:
+    time.sleep(0.01)
+posted = sorted(board.keys("7"))
+w = jax.device_put(np.arange(12.0).reshape(6, 2), NamedSharding(make_mesh(), PartitionSpec("data")))
+copy = process_local({"w": w, "n": 3})
+local_copy = [copy["w"].is_fully_addressable, np.asarray(copy["w"]).tolist(), copy["n"]]
+like = {"p": np.zeros((2, 3), np.float32), "count": np.zeros((), np.int32)}
+mine = {} if me == 0 else {1: {"p": np.full((2, 3), 0.5 + me, np.float32), "count": np.array(5, np.int32)}}
+reps, steps, sums = exchange_replicas(like, [me], mine, {me: 4 * me}, {me: [2.0 * me, 0.5]} if me else {})
+exchanged = [sorted(reps), float(reps[1]["p"][0, 0]), int(reps[1]["count"]), steps, sums]
 print("RESULT " + json.dumps(dict(
     me=me, batch=batch == whole, mine=seen, scores=out.scores.tolist(), info=out.info,
-    host=to_host(x * 2).tolist(), reduced=reduced, diverged=diverged, agreed=agreed)), flush=True)
+    host=to_host(x * 2).tolist(), reduced=reduced, diverged=diverged, agreed=agreed, alone=alone, exact=exact,
+    posted=posted, local_copy=local_copy, exchanged=exchanged)), flush=True)
 """
 
 
 @pytest.mark.multiprocess
 def test_host_collectives_on_two_processes():
     """Global batch = the unsharded pipeline's; each process scores only its prompts and all get every score;
-    sharded arrays come to every host; metrics agree (time/* = slowest) and a divergence is an error; the bandit's
-    flags and seconds agree."""
-    import json
+    sharded arrays come to every host; metrics agree (time/* = slowest, float64 exact) and a divergence is an error;
+    the bandit's flags and seconds agree (not for a slice's own engine); the board, process-local weight copies and
+    the drafter replicas' exchange work across processes."""
 
     p = subprocess.run(
         [str(LOCAL_SH), "-n", "2", "-d", "1", "--", sys.executable, "-c", HELPERS],
@@ -241,6 +263,13 @@ def test_host_collectives_on_two_processes():
     assert "processes diverged: metric 'reward/mean' is [0.0, 1.0]" in r0["diverged"]
     # the bandit's agreement: a flag holds only where it holds on every process; seconds are the slowest process's
     assert r0["agreed"] == r1["agreed"] == [[False, True, False], 1.25, [1.5, 2.0]]
+    assert r0["alone"] == [[True], 0.25] and r1["alone"] == [[False], 1.25]  # across=False: no collective
+    assert r0["exact"] and r1["exact"]
+    # sliced rollouts across processes: each sees the other's notice, a whole local copy of a sharded array, and
+    # the replicas of every process (only process 1's slice trained) with each slice's step count
+    assert r0["posted"] == r1["posted"] == ["0", "1"]
+    assert r0["local_copy"] == r1["local_copy"] == [True, np.arange(12.0).reshape(6, 2).tolist(), 3]
+    assert r0["exchanged"] == r1["exchanged"] == [[1], 1.5, 5, {"1": 4}, {"1": [2.0, 0.5]}]
 
 
 # ----- the main job across processes ------------------------------------------------------------------------------
@@ -314,3 +343,51 @@ def test_two_processes_match_one_and_resume_on_another_count(tmp_path):
     assert not (tmp_path / "multi" / "checkpoints_unreadable").exists()
     _assert_close(resumed[3], ref[3], 3)
     print(f"1x8: {t1 - t0:.0f} s, 2x4: {t2 - t1:.0f} s, resume 1x8: {time.perf_counter() - t2:.0f} s")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_tlt_slices_across_two_processes(tmp_path):
+    """configs/tiny_tlt.py with one rollout slice per process (launch/local.sh -n 2 -d 4): the RL metrics are those
+    of 1 process x 8 devices with the same two slices; in every step one process's slice trains the drafter while
+    the other process's slice still decodes (the timeline names each slice's process); the replicas of both
+    processes are averaged into one drafter; every process keeps its own drafter buffer in the checkpoint."""
+    from test_main import _cfg
+
+    from tlt_jax.controller.controller import TIMELINE_FILE
+    from tlt_jax.main import run
+
+    common = (
+        "--config.train.num_steps=2",
+        "--config.eval.at_start=False",
+        "--config.data.prompts_per_step=4",
+        "--config.rollout.samples_per_prompt=2",
+        "--config.rl.micro_batch_size=8",
+        "--config.data.eval_size=4",
+        "--config.eval.batch_size=4",
+    )
+    ref_dir, multi = tmp_path / "ref", tmp_path / "multi"
+    run(_cfg("tiny_tlt.py", *common), str(ref_dir))
+    cmd = [str(LOCAL_SH), "-n", "2", "-d", "4", "--", sys.executable, "-m", "tlt_jax.main"]
+    cmd += [f"--config={REPO / 'configs' / 'tiny_tlt.py'}", f"--workdir={multi}"]
+    cmd += ["--config.metrics.progress_bars=False"]
+    p = subprocess.run([*cmd, *common], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    ref, rows = _train_rows(ref_dir), _train_rows(multi)
+    assert sorted(rows) == sorted(ref) == [1, 2]
+    rl = ("reward/", "response/", "train/", "eval/")
+    for step in (1, 2):
+        _assert_close({k: v for k, v in rows[step].items() if k.startswith(rl)},
+                      {k: v for k, v in ref[step].items() if k.startswith(rl)}, step)
+        assert rows[step]["drafter/steps"] > 0 and rows[step]["drafter/replicas"] >= 1, rows[step]
+        for k in ("drafter/buffer_tokens", "buffer/samples"):  # each process buffers its own slice's: summed
+            assert rows[step][k] == ref[step][k] > 0, (step, k)
+    timeline = [json.loads(line) for line in (multi / TIMELINE_FILE).read_text().splitlines()]
+    assert {(t["process"], t["slice"]) for t in timeline} == {(0, 0), (1, 1)}
+    for step in (1, 2):
+        spans = [t for t in timeline if t["step"] == step]
+        assert any(a["state"] == "training" and b["state"] == "busy" and a["process"] != b["process"]
+                   and a["start"] < b["end"] and b["start"] < a["end"] for a in spans for b in spans), spans
+    for i in (0, 1):
+        assert (multi / "drafter_buffer" / f"process_{i}" / "step_2.npz").exists()
+    assert (multi / "drafter_eagle").is_dir()

@@ -113,6 +113,12 @@ def test_pod_projection_idle_time_and_spot_training():
     assert two["plain"]["idle_device_s"] == pytest.approx(4 * (t0 - t1))
     assert two["tlt"]["staleness"] == 1.0 and two["tlt"]["accept"] == 6.0  # idle time covers the drafter's pass
     assert two["tlt"]["rollout_s"] < min(two["static"]["rollout_s"], two["plain"]["rollout_s"])
+    # the built controller (scheduler.simulate): whole drafter steps on the idle engine while the other decodes; the
+    # step in flight at the rollout's end finishes on the RL step's path, so it adds at most one drafter step
+    t, d = two["tlt"], two["tlt"]["drafter_step_s"]
+    assert 0 < t["overhang_s"] < d and t["drafter_steps"] >= 1
+    assert t["train_engine_s"] == pytest.approx(t["drafter_steps"] * d)
+    assert t["step_s"] == pytest.approx(t["rollout_s"] + two["train_s"] + t["overhang_s"])
     # a single engine has no idle slice: spot training never runs and the drafter drifts (lag grows 1 per step)
     solo = rf.project(rf.QWEN25_7B, rf.H100, 4, 4, lengths, 64, arm, st, run_steps=11)
     assert solo["tlt"]["idle_device_s"] == 0 and solo["tlt"]["staleness"] == pytest.approx(6.0)

@@ -134,6 +134,17 @@ def _peak_rss_gib() -> float:
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def _trim_host_heap() -> None:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim``; a no-op elsewhere): compiles and host copies
+    of a step leave freed memory that the allocator keeps, which would count in every later phase's resident set."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     out = []
     for k in sorted(set(old) | set(new)):
@@ -313,7 +324,9 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
         for step in range(start + 1, cfg.train.num_steps + 1):
             examples = gather_global_batch(next(train_iter))  # this process's shard -> the global batch
             online.begin(step)
-            metrics = {**learner.step(step, examples, progress), **online.metrics(), **data.info}
+            # The previous step's checkpoint save ends before this step's update donates the state it reads.
+            metrics = {**learner.step(step, examples, progress, before_update=ckpt.settle), **online.metrics(),
+                       **data.info}
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.num_steps:
                 metrics.update(learner.evaluate(data.eval, **eval_kwargs))
             metrics["time/elapsed_s"] = time.perf_counter() - t_start
@@ -323,6 +336,7 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
                 append_lengths(workdir, step, learner.last_lengths)
                 write_plots(workdir)
             progress.end_step()
+            _trim_host_heap()
             table.print(dict(metrics, step=step), write=progress.write)
             if "eval/accuracy" in metrics:
                 progress.write(f"eval at step {step}: accuracy {metrics['eval/accuracy']:.3f} on {len(data.eval)} "

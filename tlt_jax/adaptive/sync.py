@@ -18,10 +18,11 @@ import jax
 import numpy as np
 
 
-def agreed_seconds(*seconds: float) -> float | tuple[float, ...]:
+def agreed_seconds(*seconds: float, across: bool = True) -> float | tuple[float, ...]:
     """The maximum of each of ``seconds`` over all JAX processes (as float32, so every process gets the same bits;
-    one collective for all of them, none in one process): a float for one value, else a tuple."""
-    if jax.process_count() == 1:
+    one collective for all of them, none in one process): a float for one value, else a tuple. across=False: an
+    engine on this process's devices alone (a rollout slice), whose bandit no other process runs: no collective."""
+    if not across or jax.process_count() == 1:
         out = tuple(float(s) for s in seconds)
     else:
         from jax.experimental import multihost_utils
@@ -31,9 +32,10 @@ def agreed_seconds(*seconds: float) -> float | tuple[float, ...]:
     return out[0] if len(out) == 1 else out
 
 
-def agreed_all(*flags: bool) -> tuple[bool, ...]:
-    """Each flag AND-ed over all JAX processes (one collective for all of them; none in one process)."""
-    if jax.process_count() == 1:
+def agreed_all(*flags: bool, across: bool = True) -> tuple[bool, ...]:
+    """Each flag AND-ed over all JAX processes (one collective for all of them; none in one process or with
+    across=False, as ``agreed_seconds``)."""
+    if not across or jax.process_count() == 1:
         return tuple(bool(f) for f in flags)
     from jax.experimental import multihost_utils
 

@@ -19,13 +19,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+
 from tlt_jax.controller.scheduler import ControllerConfig, SliceScheduler
 from tlt_jax.controller.slices import SlicedRollout, merge_results, progress_hooks
+from tlt_jax.distributed.board import Board
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.rollout import RolloutResult, SamplingParams
 
 TIMELINE_FILE = "timeline.jsonl"
+BOARD_POLL_S = 0.01  # how often a process with idle slices looks for other processes' finished slices
 
 
 class Controller:
@@ -41,10 +45,10 @@ class Controller:
                  workdir: str | os.PathLike | None = None):
         if (trainer is None) != (buffer is None):
             raise ValueError("Controller: give both trainer and buffer (drafter training) or neither")
-        if trainer is not None and trainer.num_slices != rollout.num_slices:
-            raise ValueError(f"Controller: the trainer has {trainer.num_slices} slices, the rollout "
-                             f"{rollout.num_slices}; build the SpotTrainer from rollout.meshes")
-        if buffer is not None and any(e.capture is None for e in rollout.engines):
+        if trainer is not None and trainer.slices != rollout.local_slices:
+            raise ValueError(f"Controller: the trainer has slices {trainer.slices}, the rollout runs "
+                             f"{rollout.local_slices} here; build the SpotTrainer from the rollout's meshes")
+        if buffer is not None and any(e.capture is None for e in rollout.engines.values()):
             raise ValueError("Controller: the drafter buffer needs the rollout's hidden states; build the "
                              "SlicedRollout with capture=HiddenCapture(...)")
         if trainer is not None:
@@ -54,8 +58,12 @@ class Controller:
                                  "devices of a slice) so every drafter batch splits evenly")
         self.rollout, self.trainer, self.buffer, self.cfg = rollout, trainer, buffer, cfg
         self.workdir = None if workdir is None else os.fspath(workdir)
-        self.scheduler = SliceScheduler(rollout.num_slices, cfg)
+        self.scheduler = SliceScheduler(rollout.num_slices, cfg, local=rollout.local_slices)
         self.rollout_ended_at = 0.0  # time.perf_counter() when the last run_step's last shard ended
+        self.drafter_critical_s = 0.0  # drafter work from then until the replicas were averaged
+        # Across processes: finished slices are posted on the coordinator's board; call numbers keep steps apart.
+        self.board = Board("tlt_jax/rollout_done") if rollout.across_processes else None
+        self.calls = 0
 
     def _batch(self, step: int, s: int, k: int):
         seed = (step * 1_000_003 + s * 7_919 + k) % 2**32
@@ -65,25 +73,29 @@ class Controller:
                  request_ids: Sequence[int] | None = None,
                  on_chunk: Callable[[int, int], None] | None = None) -> tuple[RolloutResult, dict[str, float]]:
         """Roll out ``prompts`` over all slices, training the drafter on idle ones; returns (result, metrics).
-        on_chunk(finished, active): rollout progress summed over slices (see SlicedRollout.generate)."""
+        on_chunk(finished, active): rollout progress summed over this process's slices (see SlicedRollout.generate).
+        Across processes every process calls it with the same arguments; each runs its own slices and learns from the
+        board when the others' finish, so its idle slices train while any slice anywhere decodes."""
         jobs = self.rollout.jobs(prompts, params, request_ids)
-        hooks = dict(zip((j.slice for j in jobs), progress_hooks(jobs, on_chunk), strict=True))
+        mine = [j for j in jobs if j.slice in self.rollout.engines]
+        hooks = dict(zip((j.slice for j in mine), progress_hooks(mine, on_chunk), strict=True))
         training = self.trainer is not None and self.cfg.train_drafter
         if self.buffer is not None:
             self.buffer.start_step(step)
         if training:
             self.trainer.begin_step(step)
-        sched = self.scheduler
+        sched, call = self.scheduler, self.calls
+        self.calls += 1
         events: queue.Queue = queue.Queue()
         t0, t0_unix = time.perf_counter(), time.time()
         now = lambda: time.perf_counter() - t0
         with_work = {j.slice for j in jobs}
         sched.start(0.0, [s in with_work for s in range(self.rollout.num_slices)])
-        job_of = {j.slice: j for j in jobs}
+        job_of = {j.slice: j for j in mine}
+        remote = {j.slice for j in jobs} - set(job_of)  # other processes' slices still decoding (as far as known)
         results: dict[int, RolloutResult] = {}
         local = [0] * self.rollout.num_slices
         inflight: set[concurrent.futures.Future] = set()
-        train_metrics: list[dict[str, float]] = []
         swaps = 0
 
         def submit(kind: str, s: int, fn, *args) -> None:
@@ -96,27 +108,45 @@ class Controller:
                 submit("train", s, self.trainer.train_step, s, self._batch(step, s, local[s]))
                 local[s] += 1
 
-        for j in jobs:
+        def others_done(t: float) -> None:
+            """Slices of other processes whose end was posted: idle now (their drafter steps are theirs)."""
+            for s in sorted(remote & {int(k) for k in self.board.keys(str(call))}):
+                remote.discard(s)
+                dispatch(sched.rollout_done(s, t, can_train=training and self.buffer.ready()))
+
+        held = self.rollout.hold_compiles()  # released once every slice of this process has finished its share
+        for j in mine:
             submit("rollout", j.slice, self.rollout.run_job, j, hooks[j.slice])
         dispatch(sched.poll(0.0, training and self.buffer.ready()))  # slices with no prompt, previous-step data
         error: BaseException | None = None
-        while inflight:
-            kind, s, fut = events.get()
+        while inflight or remote:
+            try:
+                kind, s, fut = events.get(timeout=BOARD_POLL_S if remote else None)
+            except queue.Empty:
+                if error is None:
+                    others_done(now())
+                continue
             inflight.discard(fut)
             t = now()
             if fut.exception() is not None:
                 error = error or fut.exception()
             if error is not None:
+                remote.clear()  # stop waiting for the others: this process raises (its peers fail in the exchange)
                 continue  # let in-flight work finish, dispatch nothing new, then raise
+            if remote:
+                others_done(t)
             if kind == "rollout":
                 results[s] = fut.result()
+                if len(results) == len(mine):
+                    self.rollout.release(held)
+                if self.board is not None:
+                    self.board.post(f"{call}/{s}")
                 if self.buffer is not None:
                     self.buffer.add_result(job_of[s].prompts, results[s])
                 ready = training and self.buffer.ready()
                 dispatch(sched.rollout_done(s, t, can_train=ready))
             else:
-                train_metrics.append(fut.result())
-                busy = sched.busy() if self.cfg.hot_swap else []
+                busy = [b for b in sched.busy() if b in self.rollout.engines] if self.cfg.hot_swap else []
                 if busy:  # engines read their drafter at every chunk: the swap lands at the next chunk boundary
                     drafter = self.trainer.replica_drafter(s)
                     for b in busy:
@@ -125,22 +155,30 @@ class Controller:
                 if sched.train_step_done(s, t):
                     dispatch([s])
         if error is not None:
+            self.rollout.release(held)
             if training:
                 self.trainer.replicas.clear()
             raise error
+        self.rollout.release(held)  # (already, unless this process had no share)
         metrics = sched.finish(now())
         self.rollout_ended_at = t0 + sched.rollout_end
         if self.cfg.hot_swap:
             metrics["controller/hot_swaps"] = float(swaps)
-        if training:
-            metrics.update(self.trainer.end_step())
-            for name in ("drafter/loss", "drafter/top1"):
-                vals = [m[name] for m in train_metrics]
-                if vals:
-                    metrics[name] = sum(vals) / len(vals)
-        if self.buffer is not None:
+        if training:  # drafter loss / top-1 over the step's drafter steps, read once; across processes every
+            metrics.update(self.trainer.end_step())  # process's replicas and metrics (one collective)
+        # Drafter work after the last shard ended so far (the steps in flight; across processes the replicas'
+        # exchange waits for the last of them anywhere): ControlledRollout adds what it does after this.
+        self.drafter_critical_s = max(0.0, time.perf_counter() - self.rollout_ended_at)
+        timeline = [dict(iv, process=jax.process_index()) for iv in sched.timeline]
+        if self.buffer is not None:  # each process's own buffer (summed over processes below)
             metrics.update(self.buffer.stats())
-        self._write_timeline(step, t0_unix, sched.timeline)
+            metrics["drafter/buffer_tokens"] = float(sum(s.ids.size for s in self.buffer.samples))
+            metrics["drafter/dropped"] = float(self.buffer.dropped)
+        # The rollout's results and the controller's metrics and timeline from every process: one exchange.
+        results, parts = self.rollout.exchange(results, dict(metrics=metrics, timeline=timeline, t0=t0_unix))
+        if self.rollout.across_processes:
+            metrics, timeline = merge_processes(metrics, parts)
+        self._write_timeline(step, t0_unix, timeline)
         result = merge_results(len(prompts), jobs, [results[j.slice] for j in jobs])
         return result, metrics
 
@@ -153,3 +191,21 @@ class Controller:
         with open(os.path.join(self.workdir, TIMELINE_FILE), "a") as f:
             for iv in timeline:
                 f.write(json.dumps(dict(step=int(step), **iv, step_start=t0_unix)) + "\n")
+
+
+def merge_processes(metrics: dict[str, float], parts: list[dict]) -> tuple[dict[str, float], list[dict]]:
+    """Every process's controller metrics and timeline (``parts``, in process order) as one: slice-seconds, step
+    counts and the buffers' figures summed, the rollout's end the latest; timelines moved onto the first process's
+    clock (``step_start``) and concatenated. Other metrics (the drafter's, already over every process) are this
+    process's."""
+    base = parts[0]["t0"]
+    summed = ("controller/", "buffer/", "drafter/buffer_tokens", "drafter/dropped")
+    out = {k: sum(p["metrics"][k] for p in parts) for k in metrics if k.startswith(summed)}
+    rollout_end = max(p["metrics"]["controller/rollout_s"] + p["t0"] - base for p in parts)
+    end = max(p["metrics"]["controller/rollout_s"] + p["metrics"]["controller/overhang_s"] + p["t0"] - base
+              for p in parts)
+    out["controller/rollout_s"], out["controller/overhang_s"] = rollout_end, end - rollout_end
+    out.update({k: v for k, v in metrics.items() if not k.startswith(summed)})
+    moved = [dict(iv, start=iv["start"] + p["t0"] - base, end=iv["end"] + p["t0"] - base)
+             for p in parts for iv in p["timeline"]]
+    return out, moved

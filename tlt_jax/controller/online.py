@@ -44,21 +44,28 @@ class ControlledRollout:
 
     @property
     def params(self):
-        return [e.params for e in self.rollout.engines]
+        return [e.params for e in self.rollout.engines.values()]
 
     def set_params(self, model) -> None:
         self.rollout.set_params(model)
 
     @property
     def bandit(self):
-        """The first slice's adaptive bandit (None when the rollout is not adaptive); every slice has its own."""
-        return self.rollout.engines[0].bandit
+        """This process's first slice's adaptive bandit (None when the rollout is not adaptive); every slice has its
+        own."""
+        return self.rollout.engines[self.rollout.local_slices[0]].bandit
 
     def state_dict(self) -> dict:
-        """Every slice engine's host state (adaptive: its bandit), for the checkpoint."""
+        """Every slice engine's host state (adaptive: its bandit) in slice order, for the checkpoint; across
+        processes gathered from every process (a collective)."""
         if self.bandit is None:
             return {}
-        return {"slices": [e.state_dict() for e in self.rollout.engines]}
+        mine = {str(s): e.state_dict() for s, e in self.rollout.engines.items()}
+        if self.rollout.across_processes:
+            from tlt_jax.distributed.multihost import allgather_objects
+
+            mine = {s: st for part in allgather_objects(mine) for s, st in part.items()}
+        return {"slices": [mine[str(s)] for s in range(self.rollout.num_slices)]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` output: one engine state per slice, in slice order."""
@@ -66,11 +73,11 @@ class ControlledRollout:
         if saved is None:
             raise ValueError("the saved engine state is not a sliced rollout's; it was saved with another "
                              "rollout.num_slices or without online drafter training")
-        if len(saved) != len(self.rollout.engines):
+        if len(saved) != self.rollout.num_slices:
             raise ValueError(f"the checkpoint holds {len(saved)} slice engines' state, this run has "
-                             f"{len(self.rollout.engines)} (rollout.num_slices must match to resume the bandits)")
-        for e, st in zip(self.rollout.engines, saved, strict=True):
-            e.load_state_dict(st)
+                             f"{self.rollout.num_slices} (rollout.num_slices must match to resume the bandits)")
+        for s, e in self.rollout.engines.items():
+            e.load_state_dict(saved[s])
 
     def begin(self, step: int) -> None:
         """The next generate call is RL step ``step``'s rollout (controller-driven, drafter training)."""
@@ -83,37 +90,51 @@ class ControlledRollout:
         step, self._step = self._step, None
         before = None if self.trainer is None else self.trainer.current.params  # the drafter of this rollout
         res, m = self.controller.run_step(step, prompts, params, request_ids=request_ids, on_chunk=on_chunk)
-        if self.buffer is not None:
-            m["drafter/buffer_tokens"] = float(sum(s.ids.size for s in self.buffer.samples))
-            m["drafter/dropped"] = float(self.buffer.dropped)
         if self.trainer is not None:
             m.setdefault("drafter/loss", float("nan"))
             m["drafter/train_top1"] = m.pop("drafter/top1", float("nan"))
+            t = time.perf_counter()
             m["drafter/top1"] = self.heldout_top1(step, before)
             self.publish_drafter()
-            # What drafter work added to the RL step: from the last shard's end to here (the drafter steps still in
-            # flight or run after the rollout, averaging the replicas, the held-out top-1, publishing).
-            m["drafter/critical_s"] = time.perf_counter() - self.controller.rollout_ended_at
+            # What drafter work added to the RL step: from the last shard's end, the drafter steps still in flight or
+            # run after the rollout and averaging the replicas, then the held-out top-1 and publishing (not the
+            # exchange of the rollout's results between processes, which is the rollout's).
+            m["drafter/critical_s"] = self.controller.drafter_critical_s + time.perf_counter() - t
         self.metrics = m
         return res
 
     def heldout_top1(self, step: int, params) -> float:
         """Top-1 agreement with the policy of the drafter with ``params`` (the one that drafted step ``step``, which
         never trained on that step's responses) on a batch of this step's buffered responses: held-out data."""
-        import jax
-        from flax import nnx
-
-        from tlt_jax.drafter.train import drafter_loss
-
         cfg = self.controller.cfg
         batch = self.buffer.step_batch(step, cfg.row_len, cfg.rows)
         if batch is None:
             return float("nan")
+        return float(self._evaluator()(params, self.rollout.policy(self.rollout.local_slices[0]), batch))
+
+    def _evaluator(self):
+        """The jitted held-out top-1 of drafter params on a batch (built once)."""
         if self._eval is None:
-            graphdef = self.trainer.graphdef
-            loss_cfg = self.trainer.loss_cfg
+            import jax
+            from flax import nnx
+
+            from tlt_jax.drafter.train import drafter_loss
+
+            graphdef, loss_cfg = self.trainer.graphdef, self.trainer.loss_cfg
             self._eval = jax.jit(lambda p, policy, b: drafter_loss(nnx.merge(graphdef, p), policy, b, loss_cfg)[1].top1)
-        return float(self._eval(params, self.rollout.policy(0), batch))
+        return self._eval
+
+    def compile(self) -> None:
+        """Compile the drafter's steps (every slice's) and the held-out evaluation before the first RL step, so no
+        compile lands on an RL step's critical path (the first drafter step of a slice may be the one in flight when
+        the rollout ends)."""
+        from tlt_jax.drafter.spot import dummy_batch
+
+        cfg = self.controller.cfg
+        self.trainer.compile(cfg.rows, cfg.row_len)
+        hidden = self.rollout.policy(self.rollout.local_slices[0]).config.hidden_size
+        batch = dummy_batch(cfg.rows, cfg.row_len, hidden)
+        self._evaluator()(self.trainer.current.params, self.rollout.policy(self.rollout.local_slices[0]), batch)
 
     def publish_drafter(self) -> None:
         """The trainer's current drafter to every slice's engine (used from the next generate on)."""
@@ -124,11 +145,19 @@ class ControlledRollout:
 
     # ---- checkpoint state -----------------------------------------------------------------------------------
 
+    def buffer_dir(self, workdir: str) -> str:
+        """workdir/drafter_buffer; across processes each process's own buffer in workdir/drafter_buffer/process_I."""
+        if not self.rollout.across_processes:
+            return os.path.join(workdir, BUFFER_DIR)
+        import jax
+
+        return os.path.join(workdir, BUFFER_DIR, f"process_{jax.process_index()}")
+
     def save_buffer(self, workdir: str, step: int, keep: int) -> None:
-        """The buffer's samples and counters at ``step`` to workdir/drafter_buffer/step_N.npz (newest ``keep``)."""
+        """The buffer's samples and counters at ``step`` to ``buffer_dir``/step_N.npz (newest ``keep``)."""
         if self.buffer is None:
             return
-        d = os.path.join(workdir, BUFFER_DIR)
+        d = self.buffer_dir(workdir)
         os.makedirs(d, exist_ok=True)
         b, samples = self.buffer, list(self.buffer.samples)
         h = samples[0].hidden.shape[1] if samples else 0
@@ -148,7 +177,7 @@ class ControlledRollout:
 
     def load_buffer(self, workdir: str, step: int) -> bool:
         """Restore the buffer saved at ``step``; False (buffer left empty) when there is no such file."""
-        path = os.path.join(workdir, BUFFER_DIR, f"step_{step}.npz")
+        path = os.path.join(self.buffer_dir(workdir), f"step_{step}.npz")
         if self.buffer is None or not os.path.exists(path):
             return False
         with np.load(path) as z:
@@ -173,19 +202,12 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
     writes workdir/timeline.jsonl); with ``drafter.online`` also the drafter buffer and spot trainer, the engines
     capturing the last ``drafter.window`` hidden states of every response (and up to ``drafter.prompt_context``
     positions of its prompt before a response that fits the window)."""
-    import jax
 
     from tlt_jax.config import ConfigError
     from tlt_jax.drafter.train import DrafterOptimConfig
     from tlt_jax.rollout import HiddenCapture
 
     r, d = cfg.rollout, cfg.drafter
-    if r.num_slices > 1 and jax.process_count() > 1:
-        raise ConfigError(
-            f"config.rollout.num_slices: {r.num_slices} slices in a {jax.process_count()}-process run are not "
-            "supported (drafter dispatch follows local slice timings, which processes would not agree on); use "
-            "rollout.num_slices=1 with several processes"
-        )
     if mesh.shape["data"] % r.num_slices:
         raise ConfigError(
             f"config.rollout.num_slices: {r.num_slices} does not divide the mesh's data axis ({mesh.shape['data']} "
@@ -202,8 +224,9 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
                             row_len=d.row_len, rows=d.rows, hot_swap=d.hot_swap)
     trainer = buffer = None
     if d.online:
-        trainer = SpotTrainer(engine_kwargs["drafter"], rollout.meshes, rollout.policy,
-                              optim=DrafterOptimConfig(learning_rate=d.lr), seed=cfg.train.seed)
+        trainer = SpotTrainer(engine_kwargs["drafter"], {s: rollout.meshes[s] for s in rollout.local_slices},
+                              rollout.policy, optim=DrafterOptimConfig(learning_rate=d.lr), seed=cfg.train.seed,
+                              across_processes=rollout.across_processes, activity=rollout.activity)
         need = max(trainer.batch_multiple)
         if d.rows % need:
             rollout.close()
@@ -212,7 +235,10 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
                 f"--config.drafter.rows to a multiple of {need}"
             )
         buffer = DrafterBuffer(d.buffer_bytes, keep_steps=2)
-    return ControlledRollout(rollout, Controller(rollout, trainer=trainer, buffer=buffer, cfg=ccfg, workdir=workdir))
+    ctl = ControlledRollout(rollout, Controller(rollout, trainer=trainer, buffer=buffer, cfg=ccfg, workdir=workdir))
+    if trainer is not None:
+        ctl.compile()
+    return ctl
 
 
 class OnlineState:
@@ -249,7 +275,8 @@ class OnlineState:
         return None if extra is None else {k: abstract_like(v) for k, v in extra.items()}
 
     def save(self, step: int, keep: int) -> None:
-        if self.ctl is not None and self.primary:
+        """The drafter buffer (process 0's; across processes every process's own)."""
+        if self.ctl is not None and (self.primary or self.ctl.rollout.across_processes):
             self.ctl.save_buffer(self.workdir, step, keep)
 
     def restore(self, step: int, extra: dict) -> None:

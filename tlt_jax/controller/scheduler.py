@@ -47,12 +47,19 @@ class ControllerConfig:
 
 
 class SliceScheduler:
-    """Slice states, dispatch decisions and the timeline of one RL step."""
+    """Slice states, dispatch decisions and the timeline of one RL step.
 
-    def __init__(self, num_slices: int, cfg: ControllerConfig = ControllerConfig()):
+    local: the slices this process runs (default: all). The others' states are followed (their ``rollout_done``
+    comes from another process's notice) so that local slices train while any slice anywhere decodes, but only local
+    slices are dispatched and only their intervals go into the timeline."""
+
+    def __init__(self, num_slices: int, cfg: ControllerConfig = ControllerConfig(), local: Sequence[int] | None = None):
         if num_slices < 1:
             raise ValueError(f"num_slices must be >= 1, got {num_slices}")
         self.n, self.cfg = int(num_slices), cfg
+        self.local = sorted(range(self.n) if local is None else {int(s) for s in local})
+        if not set(self.local) <= set(range(self.n)):
+            raise ValueError(f"local slices {self.local} out of range [0, {self.n})")
         self.state: list[str] = []
         self.since: list[float] = []
         self.timeline: list[dict] = []
@@ -68,7 +75,7 @@ class SliceScheduler:
 
     def _set(self, s: int, state: str, t: float) -> None:
         if self.state[s] != state:
-            if t > self.since[s]:
+            if t > self.since[s] and s in self.local:
                 self.timeline.append(dict(slice=s, state=self.state[s], start=self.since[s], end=t))
             self.state[s], self.since[s] = state, t
 
@@ -99,7 +106,7 @@ class SliceScheduler:
         if self.busy():
             return self.poll(t, can)
         self.rollout_over, self.rollout_end = True, float(t)
-        self.extra = self.cfg.steps_without_idle if can else 0
+        self.extra = self.cfg.steps_without_idle if can and 0 in self.local else 0
         if self.extra and self.state[0] == IDLE:
             self.extra -= 1
             self._set(0, TRAINING, t)
@@ -110,7 +117,7 @@ class SliceScheduler:
         """While the rollout runs: if at least ``min_idle_slices`` slices are idle (and there is data), dispatch them
         all. Also called right after ``start`` (a slice with no prompt can train on the previous step's data)."""
         self._tick(t)
-        idle = [i for i in range(self.n) if self.state[i] == IDLE]
+        idle = [i for i in self.local if self.state[i] == IDLE]
         if not self.busy() or not (self.cfg.train_drafter and can_train) or len(idle) < self.cfg.min_idle_slices:
             return []
         for i in idle:
@@ -137,7 +144,7 @@ class SliceScheduler:
             raise ValueError(f"finish: slices {self.busy() + self.training()} still running")
         self._tick(t)
         for s in range(self.n):
-            if t > self.since[s]:
+            if t > self.since[s] and s in self.local:
                 self.timeline.append(dict(slice=s, state=self.state[s], start=self.since[s], end=float(t)))
             self.since[s] = float(t)
         total = {BUSY: 0.0, IDLE: 0.0, TRAINING: 0.0}
@@ -151,6 +158,7 @@ class SliceScheduler:
             "controller/overhang_s": float(t) - self.rollout_end,  # drafter steps finishing after it
             "controller/train_steps": float(sum(self.train_steps)),
             "controller/train_slices": float(sum(k > 0 for k in self.train_steps)),
+            **{f"controller/train_steps/slice_{s}": float(k) for s, k in enumerate(self.train_steps)},
         }
 
 

@@ -4,7 +4,8 @@ Each slice holds its own copy of the policy (placed on the slice's sub-mesh by t
 block of the step's prompts; a prompt's whole GRPO group stays on one slice. Every slice has one worker thread (JAX
 releases the GIL while a computation runs, so slices really overlap); the controller also runs drafter steps for a
 slice on that slice's thread, so a slice never does two things at once. Request ids default to the prompts' global
-indices, so the counter-based sampling keys, hence the tokens, do not depend on R.
+indices, so the counter-based sampling keys, hence the tokens, do not depend on R. Across processes each process
+runs its own slices (``SlicedRollout``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from tlt_jax.adaptive.quiet import Activity
 from tlt_jax.distributed import split_mesh
+from tlt_jax.distributed.multihost import allgather_objects, process_local
 from tlt_jax.rollout import RolloutEngine, RolloutResult, SamplingParams
 
 # Stats summed over slices when results are merged (the rest stay per slice in stats["slices"]).
@@ -69,40 +73,70 @@ class SlicedRollout:
 
     ``engine_kwargs`` go to every RolloutEngine (max_batch, max_len, capture, drafter, spec, ...); a HiddenCapture's
     max_bytes applies per slice. An adaptive spec's bandit seed is made per slice (``slice_spec``).
+
+    Across processes (R > 1 in a multi-process job) every slice must lie on one process's devices (R a multiple of
+    the process count): each process builds and runs only its own slices' engines (``engines``: slice -> engine) on a
+    process-local copy of the policy, and the finished slices' results are exchanged (``exchange``), so every process
+    returns the same merged result. With R = 1 the one engine spans every process, as a single engine does.
     """
 
     def __init__(self, model, mesh: Mesh, num_slices: int, *, axis: str = "data", **engine_kwargs: Any):
         if num_slices < 1:
             raise ValueError(f"num_slices must be >= 1, got {num_slices}")
         self.meshes = split_mesh(mesh, num_slices, axis) if num_slices > 1 else [mesh]
+        self.owners = [mesh_process(m) for m in self.meshes]
+        self.across_processes = num_slices > 1 and jax.process_count() > 1
+        if self.across_processes and None in self.owners:
+            s = self.owners.index(None)
+            raise ValueError(
+                f"slice {s} of {num_slices} spans devices of several processes; with {jax.process_count()} processes "
+                "the slices must be a multiple of the process count (each slice on one process's devices) or 1"
+            )
+        me = jax.process_index()
+        self.local_slices = [s for s in range(num_slices) if not self.across_processes or self.owners[s] == me]
+        model = self._local(model)
         spec = engine_kwargs.pop("spec", None)
-        self.engines = [RolloutEngine(model, m, spec=slice_spec(spec, s), **engine_kwargs)
-                        for s, m in enumerate(self.meshes)]
-        self.workers = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"slice{s}")
-                        for s in range(num_slices)]
+        self.engines = {s: RolloutEngine(model, self.meshes[s], spec=slice_spec(spec, s), **engine_kwargs)
+                        for s in self.local_slices}
+        self.workers = {s: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"slice{s}")
+                        for s in self.local_slices}
+        # Bandit hygiene: each slice's compiles (and the drafter steps, ``SpotTrainer(activity=...)``) are registered
+        # here, so a chunk timed while another slice of this process compiled or trained stays out of the medians.
+        self.activity = Activity()
+        for e in self.engines.values():
+            e.pool.activity = self.activity
 
     @property
     def num_slices(self) -> int:
-        return len(self.engines)
+        return len(self.meshes)
+
+    def _local(self, model):
+        """The policy as this process's slices take it: a process-local copy across processes (a collective)."""
+        if not self.across_processes:
+            return model
+        graphdef, state = nnx.split(model)
+        return nnx.merge(graphdef, process_local(state))
 
     def policy(self, s: int):
-        """The policy as a module on slice ``s``'s mesh (shares the engine's arrays: no copy)."""
+        """The policy as a module on slice ``s``'s mesh (shares the engine's arrays: no copy); a slice of this
+        process."""
         e = self.engines[s]
         return nnx.merge(e.graphdef, e.params)
 
     def set_params(self, model) -> None:
-        """Publish new policy weights to every slice."""
-        for e in self.engines:
+        """Publish new policy weights to every slice of this process (a collective across processes)."""
+        model = self._local(model)
+        for e in self.engines.values():
             e.set_params(model)
 
     def set_drafter(self, drafter) -> None:
-        """Publish new EAGLE drafter weights to every slice (between generate calls)."""
-        for e in self.engines:
+        """Publish new EAGLE drafter weights (host arrays) to every slice of this process (between generate calls)."""
+        for e in self.engines.values():
             e.set_drafter(drafter)
 
     def jobs(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
              request_ids: Sequence[int] | None = None) -> list[SliceJob]:
-        """Split a call into per-slice jobs (slices with no prompt are left out)."""
+        """Split a call into per-slice jobs (slices with no prompt are left out), every process's included."""
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         n = len(prompts)
@@ -128,22 +162,70 @@ class SlicedRollout:
     def submit(self, job: SliceJob, on_chunk=None) -> concurrent.futures.Future:
         return self.workers[job.slice].submit(self.run_job, job, on_chunk)
 
+    def hold_compiles(self) -> list:
+        """Hold back the deferred compiles (``compile_between_calls``) of this process's slices until ``release``:
+        a slice that finishes early must not compile while the others still decode (and time their chunks)."""
+        pools = [e.pool for e in self.engines.values() if e.compile_between_calls and not e.pool.held]
+        for pool in pools:
+            pool.hold()
+        return pools
+
+    @staticmethod
+    def release(pools: list) -> None:
+        for pool in pools:
+            pool.release()
+
+    def exchange(self, results: dict[int, RolloutResult], extra: Any = None) -> tuple[dict[int, RolloutResult], list]:
+        """This process's slices' results joined with every other process's (a collective across processes; the
+        others' come without hidden states, which stay with the process that captured them), and every process's
+        JSON-able ``extra`` in process order (``[extra]`` in one process)."""
+        if not self.across_processes:
+            return dict(results), [extra]
+        sent = {str(s): dict(tokens=r.tokens, logprobs=r.logprobs, finish_reason=r.finish_reason, stats=r.stats)
+                for s, r in results.items()}
+        out = dict(results)
+        parts = allgather_objects(dict(results=sent, extra=extra))
+        for part in parts:
+            for s, r in part["results"].items():
+                if int(s) not in out:
+                    out[int(s)] = RolloutResult(r["tokens"], r["logprobs"], r["finish_reason"], _int_keys(r["stats"]))
+        return out, [p["extra"] for p in parts]
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  request_ids: Sequence[int] | None = None,
                  on_chunk: Callable[[int, int], None] | None = None) -> RolloutResult:
         """Decode every slice's share at the same time; the result is in the original prompt order. on_chunk:
-        as RolloutEngine.generate, with (finished, active) samples summed over slices."""
+        as RolloutEngine.generate, with (finished, active) samples summed over this process's slices."""
         jobs = self.jobs(prompts, params, request_ids)
-        hooks = progress_hooks(jobs, on_chunk)
-        futures = [self.submit(j, h) for j, h in zip(jobs, hooks, strict=True)]
-        concurrent.futures.wait(futures)
-        return merge_results(len(prompts), jobs, [f.result() for f in futures])
+        mine = [j for j in jobs if j.slice in self.engines]
+        hooks = progress_hooks(mine, on_chunk)
+        held = self.hold_compiles()
+        try:
+            futures = {j.slice: self.submit(j, h) for j, h in zip(mine, hooks, strict=True)}
+            concurrent.futures.wait(futures.values())
+        finally:
+            self.release(held)
+        results, _ = self.exchange({s: f.result() for s, f in futures.items()})
+        return merge_results(len(prompts), jobs, [results[j.slice] for j in jobs])
 
     def close(self) -> None:
-        for w in self.workers:
+        for w in self.workers.values():
             w.shutdown(wait=True)
-        for e in self.engines:
+        for e in self.engines.values():
             e.close()
+
+
+def mesh_process(mesh: Mesh) -> int | None:
+    """The process whose devices make up ``mesh``, or None when they belong to several."""
+    procs = {d.process_index for d in mesh.devices.flat}
+    return procs.pop() if len(procs) == 1 else None
+
+
+def _int_keys(stats: dict) -> dict:
+    """Rollout stats after a JSON round trip: the per-bucket arm steps keyed by batch size again."""
+    if "arm_steps" in stats:
+        stats = dict(stats, arm_steps={int(b): per for b, per in stats["arm_steps"].items()})
+    return stats
 
 
 def progress_hooks(jobs: Sequence[SliceJob], on_chunk: Callable[[int, int], None] | None) -> list:

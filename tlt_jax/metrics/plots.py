@@ -137,7 +137,8 @@ def _plot_timeline(plt, intervals, path) -> bool:
                 ax.broken_barh(bars, (s - 0.4, 0.8), color=color, label=state if s == slices[0] else None)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _STATE_COLORS.values()]
     ax.legend(handles, list(_STATE_COLORS), loc="upper right", fontsize=8)
-    ax.set_yticks(slices, [f"slice {s}" for s in slices])
+    proc = {r["slice"]: r.get("process") for r in ivs}  # sliced rollouts across processes: whose slice it is
+    ax.set_yticks(slices, [f"slice {s}" if proc[s] is None else f"process {proc[s]} slice {s}" for s in slices])
     ax.set_xlabel("seconds since the rollout started")
     ax.set_title(f"Step {last}: mesh slices busy / idle / training the drafter")
     _save(fig, path)

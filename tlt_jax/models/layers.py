@@ -48,8 +48,34 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * c + rotated.astype(jnp.float32) * s).astype(x.dtype)
 
 
+# Queries per block of a long attention without a cache (the train step's and the log-prob passes' full sequences):
+# each block's [B, KV, G, block, T] float32 scores, weights and their cotangents exist one block at a time (blocks
+# rematerialised in the backward pass) instead of [B, KV, G, T, T] (1.06 GB per row of Qwen2.5-7B at T = 3072, of
+# which the backward pass held three at once). Every query's softmax still spans all its keys: the values are the
+# same; only the order in which the keys' and values' gradients sum over queries changes.
+ATTENTION_BLOCK = 512
+
+
 def attention(q, k_new, v_new, new_mask, k_cache=None, v_cache=None, cache_mask=None):
-    """Grouped-query attention of T new queries over (cache keys ++ new keys).
+    """Grouped-query attention of T new queries over (cache keys ++ new keys); see :func:`attention_block`. Without a
+    cache, more than ATTENTION_BLOCK queries are taken ATTENTION_BLOCK at a time (the last block padded)."""
+    b, t = q.shape[:2]
+    if k_cache is not None or t <= ATTENTION_BLOCK:
+        return attention_block(q, k_new, v_new, new_mask, k_cache, v_cache, cache_mask)
+    n = -(-t // ATTENTION_BLOCK)
+    pad = n * ATTENTION_BLOCK - t
+
+    def blocks(x):  # [B, T, ...] -> [n, B, ATTENTION_BLOCK, ...]; padded queries see no key (their rows are dropped)
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, n, ATTENTION_BLOCK, *x.shape[2:]), 1, 0)
+
+    one = jax.checkpoint(lambda qb, mb: attention_block(qb, k_new, v_new, mb))
+    out = jax.lax.map(lambda xs: one(*xs), (blocks(q), blocks(new_mask)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * ATTENTION_BLOCK, *out.shape[3:])[:, :t]
+
+
+def attention_block(q, k_new, v_new, new_mask, k_cache=None, v_cache=None, cache_mask=None):
+    """Grouped-query attention of T new queries over (cache keys ++ new keys), all queries at once.
 
     q [B,T,H,D]; k_new, v_new [B,T,KV,D]; new_mask [B,T,T] bool (which new keys each query sees: causal, tree or
     segment mask); k_cache, v_cache [B,S,KV,D] and cache_mask [B,T,S] bool (which cached keys are visible).

@@ -144,12 +144,17 @@ class CausalLM(nnx.Module):
     def embed(self, input_ids: jax.Array) -> jax.Array:
         return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
 
-    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
-        """LM head on final-normed hidden states (shared, frozen, with the EAGLE drafter)."""
+    def lm_head_weight(self) -> jax.Array:
+        """The LM head's parameter as stored: ``lm_head`` [E, V], or the tied embedding [V, E]."""
+        return self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
+
+    def logits_from_hidden(self, hidden: jax.Array, weight: jax.Array | None = None) -> jax.Array:
+        """LM head on final-normed hidden states (shared, frozen, with the EAGLE drafter). ``weight``: the
+        ``lm_head_weight()`` array as the caller placed it (e.g. split by vocabulary), default the parameter itself."""
+        w = (self.lm_head_weight() if weight is None else weight).astype(self.dtype)
         if self.lm_head is None:
-            w = self.embed_tokens[...].astype(self.dtype)
             return jnp.einsum("...e,ve->...v", hidden, w)
-        return hidden @ self.lm_head[...].astype(self.dtype)
+        return hidden @ w
 
     def rope(self, positions: jax.Array):
         inv = jnp.asarray(rope_inv_freq(self.config).astype(np.float32))

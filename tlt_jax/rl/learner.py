@@ -159,8 +159,10 @@ class GRPOLearner:
 
     # ---- one iteration ----------------------------------------------------------------------------------------
 
-    def step(self, step: int, examples: Sequence[dict], progress=None) -> dict[str, float]:
-        """Run iteration ``step`` (1-based) on a batch of examples (dicts with prompt_ids and ground_truth)."""
+    def step(self, step: int, examples: Sequence[dict], progress=None, before_update=None) -> dict[str, float]:
+        """Run iteration ``step`` (1-based) on a batch of examples (dicts with prompt_ids and ground_truth).
+        ``before_update()``, when given, runs just before the policy update donates the train state (the main loop
+        lets a checkpoint save of that state end first: ``Checkpointer.settle``)."""
         cfg, ro = self.cfg, self.cfg.rollout
         n = ro.samples_per_prompt
         t0 = time.perf_counter()
@@ -204,6 +206,8 @@ class GRPOLearner:
         )
         t_logprob = time.perf_counter() - t2
 
+        if before_update is not None:
+            before_update()
         t3 = time.perf_counter()
         train_metrics = self._update(step, {**seqs, "advantages": adv, "old_logp": old, "ref_logp": ref}, progress)
         t_train = time.perf_counter() - t3

@@ -169,8 +169,12 @@ def train_step(
     batch: dict,
     *,
     micro_sharding=None,
+    param_sharding=None,
 ) -> tuple[TrainState, dict]:
-    """One optimizer update on ``batch`` (see :data:`BATCH_KEYS`); returns the new state and scalar metrics."""
+    """One optimizer update on ``batch`` (see :data:`BATCH_KEYS`); returns the new state and scalar metrics.
+    ``param_sharding`` (the parameters' shardings): each micro-batch's gradients and their sum are pinned to it, so
+    every gradient is summed into the parameters' own shards (not kept in a layout a layer computed it in, such as
+    the vocabulary-split LM head's) and the optimizer updates each shard where it lies."""
     mask = batch["response_mask"].astype(jnp.float32)
     total_tokens = jnp.sum(mask)
     total_rows = jnp.sum(jnp.any(mask > 0, axis=-1)).astype(jnp.float32)
@@ -179,6 +183,8 @@ def train_step(
     if micro_sharding is not None:
         micros = {k: jax.lax.with_sharding_constraint(v, micro_sharding(v.shape)) for k, v in micros.items()}
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+    like_params = (lambda t: t) if param_sharding is None else (
+        lambda t: jax.lax.with_sharding_constraint(t, param_sharding))
 
     def body(carry, micro):
         grads, loss, metrics = carry
@@ -188,23 +194,30 @@ def train_step(
         # Metrics are averaged with token weights (they are per-token quantities).
         tw = jnp.sum(micro["response_mask"]) / jnp.maximum(total_tokens, 1.0)
         metrics = jax.tree.map(lambda a, b: a + tw * b, metrics, m)
-        return (jax.tree.map(jnp.add, grads, g), loss + lm, metrics), None
+        return (like_params(jax.tree.map(jnp.add, grads, like_params(g))), loss + lm, metrics), None
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = like_params(jax.tree.map(jnp.zeros_like, state.params))
     zero_metrics = {k: jnp.zeros((), jnp.float32) for k in ("clip_frac", "approx_kl", "pg_loss", "entropy")}
     if cfg.kl_coef > 0:
         zero_metrics["kl_loss"] = jnp.zeros((), jnp.float32)
     (grads, loss, metrics), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), zero_metrics), micros)
 
     grad_norm = optax.tree.norm(grads)
-    updates, new_opt = tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
+
+    def apply(params, opt_state, grads):
+        updates, new_opt = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt
+
+    # Whether the updated parameters are finite, from a first pass that only reduces them; then the update is
+    # applied (or not) under a cond, elementwise into the donated buffers. Selecting between new and old trees would
+    # hold every new parameter and moment beside the old ones until the check is known (three parameter-sized trees).
+    checked, _ = apply(state.params, state.opt_state, grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    finite &= jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_params)]))
-    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    finite &= jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(checked)]))
+    new_params, new_opt = jax.lax.cond(finite, apply, lambda p, o, _: (p, o), state.params, state.opt_state, grads)
     new_state = TrainState(
-        params=keep(new_params, state.params),
-        opt_state=keep(new_opt, state.opt_state),
+        params=new_params,
+        opt_state=new_opt,
         step=state.step + 1,
         skipped=state.skipped + (~finite).astype(jnp.int32),
     )
@@ -240,6 +253,7 @@ def make_train_step(
             return NamedSharding(mesh, rules.spec(logical, mesh, shape))
 
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
-    fn = functools.partial(train_step, graphdef, tx, cfg, micro_sharding=micro_sharding)
+    param_sharding = state_shardings.params if mesh is not None else None
+    fn = functools.partial(train_step, graphdef, tx, cfg, micro_sharding=micro_sharding, param_sharding=param_sharding)
     # Activations split by batch through every layer (FSDP: XLA gathers each layer's weights, never activations).
     return jax.jit(with_activations(fn, mesh, rules), donate_argnums=(0,), out_shardings=(state_shardings, None))

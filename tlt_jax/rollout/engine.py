@@ -110,6 +110,9 @@ class RolloutEngine:
             raise ValueError(f"max_stop_tokens must be >= 1, got {max_stop_tokens}")
         self.config = cfg
         self.mesh = single_device_mesh() if mesh is None else mesh
+        # An engine over several processes' devices agrees its host decisions with them (``tlt_jax.adaptive.sync``);
+        # one on this process's devices alone (a rollout slice across processes) decides alone.
+        self.spans_processes = len({d.process_index for d in self.mesh.devices.flat}) > 1
         self.rules = rules
         self.max_batch = int(max_batch)
         self.max_len = int(max_len)

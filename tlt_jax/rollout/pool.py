@@ -28,6 +28,8 @@ from typing import Any
 
 import jax
 
+from tlt_jax.adaptive.quiet import busy
+
 Builder = Callable[["StepKey"], Callable]
 
 # The worker thread's nice value (Linux), since on a CPU backend a background compile and the caller's decoding share
@@ -173,6 +175,7 @@ class StepPool:
         self._args: dict[StepKey, tuple] = {}  # abstract arguments of the pending and deferred keys
         self._deferred: list[StepKey] = []  # background compiles held back until ``release``
         self._held = False
+        self.activity = None  # a sliced rollout's Activity (its compiles disturb the other slices' timings)
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self.background_compiles = 0
         self.background_seconds = 0.0
@@ -211,10 +214,11 @@ class StepPool:
         if builder is None:
             raise KeyError(f"no step builder registered for phase {key.phase!r}, arm {key.arm!r}")
         t0 = time.perf_counter()
-        lowered = builder(key).lower(*abstract_args)
-        if background:
-            lower_compile_threads()  # XLA creates its compile threads lazily: lowered before each background compile
-        exe = lowered.compile(compiler_options=self.compiler_options or None)
+        with busy(self.activity, self):  # other slices' timings taken meanwhile are disturbed (adaptive/quiet.py)
+            lowered = builder(key).lower(*abstract_args)
+            if background:
+                lower_compile_threads()  # XLA creates its compile threads lazily: lowered before each background one
+            exe = lowered.compile(compiler_options=self.compiler_options or None)
         return exe, time.perf_counter() - t0
 
     def _install(self, key: StepKey, exe: Any, seconds: float, background: bool = False) -> Any:

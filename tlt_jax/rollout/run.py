@@ -174,7 +174,7 @@ class GenerateRun:
                     ready = e.pool.prepare(key, functools.partial(e.abstract_args, arm, b, length))
                 else:  # the loss budget is spent (or a compile runs already): plain decoding, no compile
                     ready = False
-                ready, quiet = agreed_all(ready, not e.pool.compiling)
+                ready, quiet = agreed_all(ready, not e.pool.compiling, across=e.spans_processes)
                 if not ready:
                     arm = OFF
                     length = cache_length(arm)
@@ -205,10 +205,14 @@ class GenerateRun:
                 catchup_s = time.perf_counter() - t0
                 args = (args[0], state, args[2])
             first = e.pool.first_run(key)
+            act = e.pool.activity  # a sliced rollout's: the other slices' drafter steps and compiles in this process
+            mark = None if act is None else act.mark(own=e.pool)
             t0 = time.perf_counter()
             state, packed = exe(*args)
             info = StepInfo.unpack(jax.device_get(packed), speculative=arm.speculative)
             dt = time.perf_counter() - t0 + host_s
+            disturbed = act is not None and not e.spans_processes and not act.quiet_since(mark, own=e.pool)
+            quiet = quiet and not disturbed
             drafter_current = arm.kind == "eagle"
             emitted = info.num_generated - ngen
             tokens = int(emitted.sum())
@@ -221,7 +225,7 @@ class GenerateRun:
             if wanted != arm:
                 chunk["waited_for"] = str(wanted)  # the bandit's choice, compiling in the background
             if not quiet:
-                chunk["compile_overlap"] = True
+                chunk["compile_overlap" if not disturbed else "disturbed"] = True  # not a measure of its arm
             if arm.kind == "eagle" and swapped:
                 chunk["drafter_swapped"] = True  # it rebuilt the drafter cache with the new weights first
             if not arm.speculative:
@@ -242,7 +246,8 @@ class GenerateRun:
             # with a speculative step's compile in place (plain decoding compiles its own steps too).
             if e.bandit is not None and (speculate or (not first and quiet)):
                 rows = chunk.get("row_verifies", tokens) / max(chunk["steps"], 1)  # live rows per step (plain: 1 token)
-                seen, all_s = agreed_seconds(dt, chunk["seconds"] + (compiled_s if arm.speculative else 0.0))
+                seen, all_s = agreed_seconds(dt, chunk["seconds"] + (compiled_s if arm.speculative else 0.0),
+                                             across=e.spans_processes)
                 if not first and quiet:
                     e.bandit.observe(arm, b, tokens, seen, chunk["steps"], rows=rows, lag=chunk["lag_tokens"])
                 if speculate:  # plain decoding without a compile beside it costs what it would cost anyway

@@ -1,0 +1,79 @@
+"""Drafter work on the RL step's critical path with several rollout slices (issue 43's preemption goal).
+
+Runs the main job on configs/tiny_tlt.py (two slices, long-tailed answers, a fresh EAGLE drafter trained only while
+some slice still decodes, no drafter steps after the rollout) in one process, and with ``--processes 2`` as two
+``jax.distributed`` processes on this machine (launch/local.sh, one slice per process). Per RL step it reports
+``drafter/critical_s`` (what drafter work added after the last slice finished: the step in flight, the replicas'
+average, the held-out top-1 and publishing) against the run's mean drafter step (``controller/train_s`` /
+``drafter/steps``), and the drafter steps each slice got.
+
+    python benchmarks/critical_path.py --steps 8 --processes 1,2   # -> results/critical_path_tiny_tlt.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "critical_path_tiny_tlt.json"
+
+
+def run(processes: int, steps: int, workdir: Path) -> list[dict]:
+    """The main job with ``processes`` processes (2 devices in all); its train rows of metrics.jsonl."""
+    args = ["-m", "tlt_jax.main", f"--config={REPO / 'configs' / 'tiny_tlt.py'}", f"--workdir={workdir}",
+            f"--config.train.num_steps={steps}", "--config.eval.at_start=False", "--config.metrics.progress_bars=False"]
+    env = dict(os.environ)
+    if processes == 1:
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [str(REPO / "launch" / "local.sh"), "-n", str(processes), "-d", str(2 // processes), "--",
+               sys.executable, *args]
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == "train"]
+
+
+def summary(rows: list[dict]) -> dict:
+    crit = [r["drafter/critical_s"] for r in rows]
+    steps = sum(r["drafter/steps"] for r in rows)
+    step_s = sum(r["controller/train_s"] for r in rows) / steps if steps else None
+    slices = sorted(k for k in rows[0] if k.startswith("controller/train_steps/slice_"))
+    return dict(
+        critical_s=crit,
+        critical_s_median=statistics.median(crit),
+        critical_s_after_step_1_max=max(crit[1:]) if len(crit) > 1 else None,
+        drafter_step_s=step_s,
+        drafter_steps=[r["drafter/steps"] for r in rows],
+        drafter_steps_per_slice={k.rsplit("_", 1)[1]: sum(r[k] for r in rows) for k in slices},
+        accept_length=[r["rollout/accept_length"] for r in rows],
+        reward_mean=[r["reward/mean"] for r in rows],
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--processes", default="1,2", help="comma list: 1 (2 slices in one process) and/or 2")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    out = {"command": "python benchmarks/critical_path.py " + " ".join(sys.argv[1:]), "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in (int(x) for x in args.processes.split(",")):
+            out["runs"][f"{p}_process"] = s = summary(run(p, args.steps, Path(tmp) / f"p{p}"))
+            print(f"{p} process(es): critical path median {s['critical_s_median']:.3f} s per RL step (after step 1 "
+                  f"at most {s['critical_s_after_step_1_max']:.3f} s); one drafter step {s['drafter_step_s']:.3f} s; "
+                  f"drafter steps per slice {s['drafter_steps_per_slice']}")
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
