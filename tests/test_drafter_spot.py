@@ -1,5 +1,5 @@
-"""Spot trainer: learning from a tiny model's rollout data, determinism given the dispatch, replica averaging,
-checkpoint state round trip (through orbax) and the EAGLE-layout export."""
+"""Spot trainer: learning from a tiny model's rollout data, determinism given the dispatch, replica averaging on the
+slices' devices, checkpoint state round trip (through orbax) and the EAGLE-layout export."""
 
 import jax
 import numpy as np
@@ -11,6 +11,7 @@ from tlt_jax.distributed import MeshConfig, make_mesh, shard_module, split_mesh
 from tlt_jax.drafter import DrafterLossConfig, DrafterOptimConfig, EagleDrafter, drafter_loss, import_eagle
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.spot import SpotTrainer, average_states
+from tlt_jax.drafter.train import DrafterBatch
 from tlt_jax.models import CausalLM, tiny_config
 from tlt_jax.rollout import HiddenCapture, RolloutEngine, SamplingParams
 
@@ -88,6 +89,40 @@ def test_same_dispatch_same_weights_and_replicas_are_averaged(setup, fresh):
     for x, y in zip(jax.tree.leaves(avg), jax.tree.leaves(a), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-7)
     assert int(a.step) == 2  # counters: the longest replica
+
+
+def test_replicas_stay_on_their_slices_between_steps(setup, fresh, monkeypatch):
+    """An RL step with both slices training moves no drafter state through the host: each slice starts from its copy
+    on its devices, and the average lands on every slice's devices (only metrics and a few counts are read)."""
+    _, buf, _, init = setup
+    t = fresh
+    state_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(init))
+    batches = [buf.batch(24, 4, seed=s) for s in range(2)]
+    moved = []
+
+    def counting(fn):
+        def wrapped(x, *args, **kwargs):
+            if not isinstance(x, DrafterBatch):  # a drafter batch comes from the host buffer: that is its way in
+                moved.append(sum(int(np.prod(np.shape(v))) * np.dtype(v.dtype).itemsize for v in jax.tree.leaves(x)
+                                 if hasattr(v, "dtype")))
+            return fn(x, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(jax, "device_get", counting(jax.device_get))
+    monkeypatch.setattr(jax, "device_put", counting(jax.device_put))
+    t.begin_step(4)
+    for s in (0, 1):
+        t.train_step(s, batches[s])
+    m = t.end_step()
+    monkeypatch.undo()
+    assert m["drafter/steps"] == 2.0 and m["drafter/replicas"] == 2.0
+    assert 0 < sum(moved) < state_bytes / 50, (sum(moved), state_bytes)
+    for s in (0, 1):  # every slice holds the same average, placed as its train step expects
+        for x, sh in zip(jax.tree.leaves(t._placed[s]), jax.tree.leaves(t._shardings[s]), strict=True):
+            assert x.sharding == sh
+    for x, y in zip(jax.tree.leaves(jax.device_get(t._placed[0])), jax.tree.leaves(jax.device_get(t._placed[1])),
+                    strict=True):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_checkpoint_round_trip_and_export(setup, fresh, tmp_path):

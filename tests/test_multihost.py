@@ -210,11 +210,12 @@ from tlt_jax.adaptive import agreed_all, agreed_seconds
 agreed = [list(agreed_all(me == 0, True, me == 1)), agreed_seconds(0.25 + me), list(agreed_seconds(0.5 + me, 2.0 - me))]
 alone = [list(agreed_all(me == 0, across=False)), agreed_seconds(0.25 + me, across=False)]  # a slice's own engine
 exact = reduce_metrics({"response/len_p90": 8.6})["response/len_p90"] == 8.6  # float64 survives the gather
-# Sliced rollouts across processes: the board, process-local copies of sharded weights, the replicas' exchange.
+# Sliced rollouts across processes: the board, process-local copies of sharded weights, the replicas' average.
 import time
 from tlt_jax.distributed.board import Board
 from tlt_jax.distributed.multihost import process_local
-from tlt_jax.drafter.spot import exchange_replicas
+from tlt_jax.distributed import split_mesh
+from tlt_jax.drafter.replicas import ReplicaMerger
 board = Board("test")
 board.post(f"7/{me}")
 deadline = time.time() + 30
@@ -224,10 +225,14 @@ posted = sorted(board.keys("7"))
 w = jax.device_put(np.arange(12.0).reshape(6, 2), NamedSharding(make_mesh(), PartitionSpec("data")))
 copy = process_local({"w": w, "n": 3})
 local_copy = [copy["w"].is_fully_addressable, np.asarray(copy["w"]).tolist(), copy["n"]]
-like = {"p": np.zeros((2, 3), np.float32), "count": np.zeros((), np.int32)}
-mine = {} if me == 0 else {1: {"p": np.full((2, 3), 0.5 + me, np.float32), "count": np.array(5, np.int32)}}
-reps, steps, sums = exchange_replicas(like, [me], mine, {me: 4 * me}, {me: [2.0 * me, 0.5]} if me else {})
-exchanged = [sorted(reps), float(reps[1]["p"][0, 0]), int(reps[1]["count"]), steps, sums]
+slices = split_mesh(make_mesh(), 2)  # one slice per process
+merger = ReplicaMerger(slices, {"p": PartitionSpec(), "count": PartitionSpec()}, 2)
+put = lambda v: jax.device_put(v, NamedSharding(slices[me], PartitionSpec()))
+state = {"p": put(np.full((2, 3), 0.5 + me, np.float32)), "count": put(np.array(5 * me, np.int32))}
+avg, steps, sums = merger({me: state}, {me: me == 1}, {me: 4 * me}, {me: [2.0 * me, 0.5]} if me else {})
+both, _, _ = merger({me: state}, {me: True}, {me: 1}, {})
+exchanged = [np.asarray(avg[me]["p"]).tolist(), int(avg[me]["count"]), avg[me]["p"].sharding.mesh == slices[me],
+             steps, sums, float(np.asarray(both[me]["p"])[0, 0])]
 print("RESULT " + json.dumps(dict(
     me=me, batch=batch == whole, mine=seen, scores=out.scores.tolist(), info=out.info,
     host=to_host(x * 2).tolist(), reduced=reduced, diverged=diverged, agreed=agreed, alone=alone, exact=exact,
@@ -240,7 +245,7 @@ def test_host_collectives_on_two_processes():
     """Global batch = the unsharded pipeline's; each process scores only its prompts and all get every score;
     sharded arrays come to every host; metrics agree (time/* = slowest, float64 exact) and a divergence is an error;
     the bandit's flags and seconds agree (not for a slice's own engine); the board, process-local weight copies and
-    the drafter replicas' exchange work across processes."""
+    the drafter replicas' average on the devices work across processes."""
 
     p = subprocess.run(
         [str(LOCAL_SH), "-n", "2", "-d", "1", "--", sys.executable, "-c", HELPERS],
@@ -266,10 +271,12 @@ def test_host_collectives_on_two_processes():
     assert r0["alone"] == [[True], 0.25] and r1["alone"] == [[False], 1.25]  # across=False: no collective
     assert r0["exact"] and r1["exact"]
     # sliced rollouts across processes: each sees the other's notice, a whole local copy of a sharded array, and
-    # the replicas of every process (only process 1's slice trained) with each slice's step count
+    # the replicas' average on its own slice (only process 1's slice trained, then both) with each slice's step
+    # count and metric sums
     assert r0["posted"] == r1["posted"] == ["0", "1"]
     assert r0["local_copy"] == r1["local_copy"] == [True, np.arange(12.0).reshape(6, 2).tolist(), 3]
-    assert r0["exchanged"] == r1["exchanged"] == [[1], 1.5, 5, {"1": 4}, {"1": [2.0, 0.5]}]
+    assert r0["exchanged"] == r1["exchanged"] == [np.full((2, 3), 1.5).tolist(), 5, True, {"1": 4},
+                                                  {"1": [2.0, 0.5]}, 1.0]
 
 
 # ----- the main job across processes ------------------------------------------------------------------------------

@@ -88,7 +88,8 @@ class ControlledRollout:
         if self._step is None:
             return self.rollout.generate(prompts, params, request_ids=request_ids, on_chunk=on_chunk)
         step, self._step = self._step, None
-        before = None if self.trainer is None else self.trainer.current.params  # the drafter of this rollout
+        first = self.rollout.local_slices[0]
+        before = None if self.trainer is None else self.trainer.params_on(first)  # the drafter of this rollout
         res, m = self.controller.run_step(step, prompts, params, request_ids=request_ids, on_chunk=on_chunk)
         if self.trainer is not None:
             m.setdefault("drafter/loss", float("nan"))
@@ -134,11 +135,14 @@ class ControlledRollout:
         self.trainer.compile(cfg.rows, cfg.row_len)
         hidden = self.rollout.policy(self.rollout.local_slices[0]).config.hidden_size
         batch = dummy_batch(cfg.rows, cfg.row_len, hidden)
-        self._evaluator()(self.trainer.current.params, self.rollout.policy(self.rollout.local_slices[0]), batch)
+        first = self.rollout.local_slices[0]
+        self._evaluator()(self.trainer.params_on(first), self.rollout.policy(first), batch)
 
     def publish_drafter(self) -> None:
-        """The trainer's current drafter to every slice's engine (used from the next generate on)."""
-        self.rollout.set_drafter(self.trainer.drafter())
+        """The trainer's current drafter to every slice's engine (used from the next generate on), each from the copy
+        already on that slice's devices."""
+        for s, engine in self.rollout.engines.items():
+            engine.set_drafter(self.trainer.drafter(s))
 
     def close(self) -> None:
         self.rollout.close()
@@ -226,7 +230,8 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
     if d.online:
         trainer = SpotTrainer(engine_kwargs["drafter"], {s: rollout.meshes[s] for s in rollout.local_slices},
                               rollout.policy, optim=DrafterOptimConfig(learning_rate=d.lr), seed=cfg.train.seed,
-                              across_processes=rollout.across_processes, activity=rollout.activity)
+                              across_processes=rollout.across_processes, activity=rollout.activity,
+                              all_meshes=rollout.meshes)
         need = max(trainer.batch_multiple)
         if d.rows % need:
             rollout.close()

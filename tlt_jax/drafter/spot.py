@@ -1,10 +1,11 @@
 """Spot drafter training on idle mesh slices: one compiled train step per slice, local replicas, averaged per RL step.
 
-Within an RL step every slice that trains starts a replica from the current drafter state (params + AdamW state)
-and steps it on its own sub-mesh, with no collective across slices; which slices train, and for how many steps,
-changes nothing compiled. At the step boundary the replicas that trained are averaged (float leaves: mean in slice
-order; integer counters: max) into the next current state, kept on the host. Keys and batches depend only on
-(RL step, slice, local step), so the same dispatch decisions give the same weights.
+Within an RL step every slice that trains starts a replica from its copy of the current drafter state (params +
+AdamW state, kept on the slice's devices) and steps it on its own sub-mesh, with no collective across slices; which
+slices train, and for how many steps, changes nothing compiled. At the step boundary the replicas that trained are
+averaged on the devices, every process's at once (``replicas.ReplicaMerger``: float leaves a mean, integer counters
+the max), and every slice's copy becomes that average: the state never goes through the host between steps. Keys
+and batches depend only on (RL step, slice, local step), so the same dispatch decisions give the same weights.
 
 The drafter/train.py names used here (DrafterLossConfig, DrafterOptimConfig, DrafterTrainState,
 make_drafter_train_step) are all imported in one block.
@@ -18,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -26,6 +28,7 @@ from tlt_jax.adaptive.quiet import Activity, busy
 from tlt_jax.distributed import LogicalRules
 from tlt_jax.drafter.eagle import EagleDrafter
 from tlt_jax.drafter.export import export_eagle
+from tlt_jax.drafter.replicas import ReplicaMerger
 from tlt_jax.drafter.train import (
     DrafterBatch,
     DrafterLossConfig,
@@ -48,15 +51,17 @@ class SpotTrainer:
     loss is then taken over that vocabulary, as in the warm-up).
     meshes: one sub-mesh per slice (a list, or {slice index: mesh} for the slices of this process). policy_for(s):
     the policy on slice s's mesh (read at every step, so policy updates published to the slices are picked up; the
-    policy only supplies the frozen embedding and LM head). across_processes: the other slices train on other
-    processes; ``end_step`` averages every process's replicas with one collective (``exchange_replicas``).
+    policy only supplies the frozen embedding and LM head). all_meshes: every slice's mesh by slice index, other
+    processes' slices included (default: ``meshes``, which must then be every slice). across_processes: the other
+    slices train on other processes; ``end_step`` averages every process's replicas in one program spanning them.
     activity: the sliced rollout's ``Activity``, where drafter steps are registered while they run.
     """
 
     def __init__(self, drafter: EagleDrafter, meshes: Sequence[Mesh] | Mapping[int, Mesh],
                  policy_for: Callable[[int], Any], *, optim: DrafterOptimConfig = DrafterOptimConfig(),
                  loss: DrafterLossConfig = DrafterLossConfig(), seed: int = 0, rules: LogicalRules = LogicalRules(),
-                 across_processes: bool = False, activity: Activity | None = None):
+                 across_processes: bool = False, activity: Activity | None = None,
+                 all_meshes: Sequence[Mesh] | None = None):
         if not meshes:
             raise ValueError("SpotTrainer needs at least one mesh slice")
         self.meshes = dict(meshes) if isinstance(meshes, Mapping) else dict(enumerate(meshes))
@@ -68,15 +73,21 @@ class SpotTrainer:
             loss = dataclasses.replace(loss, vocab=tuple(int(t) for t in np.asarray(self._vocab)))  # draft vocab
         self.loss_cfg = loss
         self.optimizer = make_drafter_optimizer(optim)
-        self.graphdef, host = init_drafter_train_state(drafter, self.optimizer)
-        self.current: DrafterTrainState = jax.device_get(host)
+        self.graphdef, _ = init_drafter_train_state(drafter, self.optimizer)
         self._shardings, self._steps, self._batch_sh, self._multiple = {}, {}, {}, {}
+        self._placed: dict[int, DrafterTrainState] = {}  # each slice's copy of the current state, on its devices
         for s, m in self.meshes.items():
             self._multiple[s] = int(np.prod([m.shape[a] for a in rules.lookup("batch")]))
-            _, placed = init_drafter_train_state(drafter, self.optimizer, m, rules)
-            self._shardings[s] = jax.tree.map(lambda x: x.sharding, placed)
+            _, self._placed[s] = init_drafter_train_state(drafter, self.optimizer, m, rules)
+            self._shardings[s] = jax.tree.map(lambda x: x.sharding, self._placed[s])
             self._steps[s] = make_drafter_train_step(self.graphdef, self.optimizer, loss, m, rules)
             self._batch_sh[s] = batch_sharding(m, rules)
+        if all_meshes is None:
+            if self.slices != list(range(len(self.slices))) or across_processes:
+                raise ValueError("SpotTrainer: give all_meshes (every slice's mesh) when meshes are some slices only")
+            all_meshes = [self.meshes[s] for s in self.slices]
+        specs = jax.tree.map(lambda sh: sh.spec, self._shardings[self.slices[0]])
+        self._merger = ReplicaMerger(all_meshes, specs, len(LOGGED))
         self.batch_multiple = [self._multiple[s] for s in self.slices]  # batch-parallel devices per slice
         self._lock = threading.Lock()
         self.rl_step = 0
@@ -101,8 +112,8 @@ class SpotTrainer:
         for s in self.slices:
             policy = self.policy_for(s)
             batch = dummy_batch(rows, row_len, policy.config.hidden_size)
-            state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sh),
-                                 self.current, self._shardings[s])
+            state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                 self._placed[s])
             batch = jax.device_put(batch, self._batch_sh[s])
             self._steps[s] = self._steps[s].lower(state, policy, batch, jax.random.key(0)).compile()
 
@@ -114,8 +125,8 @@ class SpotTrainer:
         with self._lock:
             state = self.replicas.get(s)
             k = self.local_steps.get(s, 0)
-        if state is None:
-            state = jax.device_put(self.current, self._shardings[s])
+        if state is None:  # a copy: the step donates its state, and the slice's copy stays the step's starting point
+            state = jax.tree.map(jnp.copy, self._placed[s])
         rows = batch.next_tokens.shape[0]
         if rows % self._multiple[s]:
             raise ValueError(f"drafter batch of {rows} rows does not split over slice {s}'s {self._multiple[s]} "
@@ -133,20 +144,18 @@ class SpotTrainer:
         return out
 
     def end_step(self) -> dict[str, float]:
-        """Average the replicas that trained (every process's, across processes: a collective) into the current
-        state, kept on the host; returns step metrics over all slices."""
+        """Average the replicas that trained (every process's: all call it at once) into every slice's copy of the
+        current state, on the devices; returns step metrics over all slices."""
         with self._lock:
-            reps = {s: jax.device_get(self.replicas[s]) for s in sorted(self.replicas)}
-            steps, logs = dict(self.local_steps), jax.device_get(self.logs)  # one read of every step's metrics
+            reps, steps = dict(self.replicas), dict(self.local_steps)
+            logs = jax.device_get(self.logs)  # one read of every step's metrics
             self.replicas, self.logs = {}, {}
         sums = {s: [sum(float(m[k]) for m in ms) for k in LOGGED] for s, ms in logs.items()}
-        if self.across_processes:
-            reps, steps, sums = exchange_replicas(self.current, self.slices, reps, steps, sums)
-        if reps:
-            self.current = average_states([reps[s] for s in sorted(reps)])
+        states = {s: reps.get(s, self._placed[s]) for s in self.slices}
+        self._placed, steps, sums = self._merger(states, {s: s in reps for s in self.slices}, steps, sums)
         n = sum(steps.values())
-        out = {"drafter/steps": float(n), "drafter/replicas": float(len(reps)),
-               "drafter/total_steps": float(self.current.step)}
+        out = {"drafter/steps": float(n), "drafter/replicas": float(len(steps)),
+               "drafter/total_steps": float(jax.device_get(self._placed[self.slices[0]].step))}
         if n:  # means over every drafter step of the RL step, on every slice
             out.update({k: sum(v[i] for v in sums.values()) / n for i, k in enumerate(LOGGED)})
         return out
@@ -158,9 +167,19 @@ class SpotTrainer:
 
     # ---- the drafter, checkpoints, export --------------------------------------------------------------------
 
-    def drafter(self) -> EagleDrafter:
-        """The current drafter as a module (host arrays), draft vocabulary re-attached."""
-        d = nnx.merge(self.graphdef, self.current.params)
+    @property
+    def current(self) -> DrafterTrainState:
+        """The current state as host arrays (a read from the first local slice's devices)."""
+        return jax.device_get(self._placed[self.slices[0]])
+
+    def params_on(self, s: int) -> Any:
+        """The current drafter params on slice ``s``'s devices (no copy; valid until the next ``end_step``)."""
+        return self._placed[s].params
+
+    def drafter(self, s: int | None = None) -> EagleDrafter:
+        """The current drafter as a module, draft vocabulary re-attached: host arrays, or with ``s`` the arrays on
+        slice s's devices (to publish to that slice's engine without a trip through the host)."""
+        d = nnx.merge(self.graphdef, self.current.params if s is None else self._placed[s].params)
         if self._vocab is not None:
             d.set_draft_vocab(np.asarray(self._vocab))
         return d
@@ -194,7 +213,8 @@ class SpotTrainer:
                 raise ValueError(f"drafter checkpoint entry {jax.tree_util.keystr(path)}: {x.dtype}{list(x.shape)}, "
                                  f"expected {np.asarray(want).dtype}{list(np.shape(want))}")
             leaves.append(x)
-        self.current = jax.tree_util.tree_unflatten(treedef, leaves)
+        host = jax.tree_util.tree_unflatten(treedef, leaves)
+        self._placed = {s: jax.device_put(host, self._shardings[s]) for s in self.slices}
 
     def export(self, path) -> None:
         """Write the current drafter in the EAGLE/SGLang layout (see ``export_eagle``)."""
@@ -207,7 +227,8 @@ def dummy_batch(rows: int, row_len: int, hidden: int) -> DrafterBatch:
 
 
 def average_states(states: Sequence[Any]) -> Any:
-    """Mean of float leaves (accumulated in the given order), max of integer leaves (step counters)."""
+    """Mean of float leaves (accumulated in the given order), max of integer leaves (step counters): the plain host
+    reference of ``ReplicaMerger``'s average."""
     def one(*xs):
         xs = [np.asarray(x) for x in xs]
         if np.issubdtype(xs[0].dtype, np.integer):
@@ -218,37 +239,3 @@ def average_states(states: Sequence[Any]) -> Any:
         return (acc / len(xs)).astype(xs[0].dtype)
 
     return jax.tree.map(one, *states)
-
-
-def exchange_replicas(like: Any, slices: Sequence[int], replicas: dict[int, Any], steps: dict[int, int],
-                      sums: dict[int, list[float]]) -> tuple[dict[int, Any], dict[int, int], dict[int, list[float]]]:
-    """Every process's trained replicas, step counts and metric sums (``LOGGED``), by slice, from one all-gather of
-    raw bytes: a row per local slice (slice index, trained flag, steps, the sums, then the state's leaves as in
-    ``like``), the same row count on every process (every process runs as many slices)."""
-    from jax.experimental import multihost_utils
-
-    leaves, treedef = jax.tree.flatten(like)
-    specs = [(np.shape(x), np.asarray(x).dtype) for x in leaves]
-    sizes = [int(np.prod(shape)) * dt.itemsize for shape, dt in specs]
-    head = 16 + 8 * len(LOGGED)
-    rows = np.zeros((len(slices), head + sum(sizes)), np.uint8)
-    for i, s in enumerate(slices):
-        rows[i, :16] = np.array([s, s in replicas, steps.get(s, 0), 0], np.int32).view(np.uint8)
-        rows[i, 16:head] = np.array(sums.get(s, [0.0] * len(LOGGED)), np.float64).view(np.uint8)
-        if s in replicas:
-            blob = [np.ascontiguousarray(np.asarray(x, dt)).view(np.uint8).reshape(-1)
-                    for x, (_, dt) in zip(jax.tree.leaves(replicas[s]), specs, strict=True)]
-            rows[i, head:] = np.concatenate(blob)
-    gathered = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, rows.shape[1])
-    reps, all_steps, all_sums = {}, {}, {}
-    for row in gathered:
-        s, trained, n, _ = (int(v) for v in row[:16].view(np.int32))
-        if n:
-            all_steps[s], all_sums[s] = n, row[16:head].copy().view(np.float64).tolist()
-        if trained:
-            out, at = [], head
-            for (shape, dt), size in zip(specs, sizes, strict=True):
-                out.append(row[at:at + size].view(dt).reshape(shape).copy())
-                at += size
-            reps[s] = jax.tree.unflatten(treedef, out)
-    return reps, all_steps, all_sums

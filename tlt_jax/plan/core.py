@@ -20,9 +20,11 @@ bytes (its arguments that are not resident, its temporaries and its outputs that
 
 The figures are those of the backend that compiles: the main job's start-up plan compiles for its GPU / TPU, the
 command line (``python -m tlt_jax.plan``) for XLA:CPU over simulated devices. XLA:CPU shards as XLA does everywhere,
-but it has no bfloat16 matmul: it converts bfloat16 weights to float32 copies (hoisting the converts of loop-invariant
-weights out of loops), so its temporaries for bfloat16 programs (a bfloat16 rollout copy's decode and verify steps)
-include float32 weight copies a GPU compile does not make.
+but it has no bfloat16 matmul and no bfloat16 scatter: in a bfloat16 decode step it converts every layer's weights,
+and every layer's KV cache (to write one position into it, then back), to float32 copies, and its schedule keeps them
+alive together inside the token loop (the decode module's buffer assignment under ``XLA_FLAGS=--xla_dump_to=DIR``).
+Its temporaries for bfloat16 programs (a bfloat16 rollout copy's decode and verify steps) thus include float32 copies
+a GPU compile does not make.
 """
 
 from __future__ import annotations
