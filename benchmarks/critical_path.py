@@ -3,11 +3,13 @@
 Runs the main job on configs/tiny_tlt.py (two slices, long-tailed answers, a fresh EAGLE drafter trained only while
 some slice still decodes, no drafter steps after the rollout) in one process, and with ``--processes 2`` as two
 ``jax.distributed`` processes on this machine (launch/local.sh, one slice per process). Per RL step it reports
-``drafter/critical_s`` (what drafter work added after the last slice finished: the step in flight, the replicas'
-average, the held-out top-1 and publishing) against the run's mean drafter step (``controller/train_s`` /
-``drafter/steps``), and the drafter steps each slice got.
+``drafter/critical_s`` (what drafter work added after the last slice anywhere finished: the step in flight, the
+replicas' average and publishing; the held-out top-1 runs during the rollout) against the run's mean drafter step
+(``controller/train_s`` / ``drafter/steps``), the drafter steps each slice got, and the accept length of every
+step. ``--static`` adds a one-process run whose drafter does not learn (``drafter.lr`` = 1e-12: Adam's steps of
+about 1e-12 leave the fresh drafter as it was), the baseline for the accept length.
 
-    python benchmarks/critical_path.py --steps 8 --processes 1,2   # -> results/critical_path_tiny_tlt.json
+    python benchmarks/critical_path.py --steps 20 --processes 1,2 --static   # -> results/critical_path_tiny_tlt.json
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "critical_path_tiny_tlt.json"
 
 
-def run(processes: int, steps: int, workdir: Path) -> list[dict]:
+def run(processes: int, steps: int, workdir: Path, extra: tuple[str, ...] = ()) -> list[dict]:
     """The main job with ``processes`` processes (2 devices in all); its train rows of metrics.jsonl."""
     args = ["-m", "tlt_jax.main", f"--config={REPO / 'configs' / 'tiny_tlt.py'}", f"--workdir={workdir}",
-            f"--config.train.num_steps={steps}", "--config.eval.at_start=False", "--config.metrics.progress_bars=False"]
+            f"--config.train.num_steps={steps}", "--config.eval.at_start=False", "--config.metrics.progress_bars=False",
+            *extra]
     env = dict(os.environ)
     if processes == 1:
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -54,14 +57,18 @@ def summary(rows: list[dict]) -> dict:
         drafter_steps=[r["drafter/steps"] for r in rows],
         drafter_steps_per_slice={k.rsplit("_", 1)[1]: sum(r[k] for r in rows) for k in slices},
         accept_length=[r["rollout/accept_length"] for r in rows],
+        accept_length_first_last_4=[statistics.mean(r["rollout/accept_length"] for r in rows[:4]),
+                                    statistics.mean(r["rollout/accept_length"] for r in rows[-4:])],
+        drafter_heldout_top1=[r["drafter/top1"] for r in rows],
         reward_mean=[r["reward/mean"] for r in rows],
     )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--processes", default="1,2", help="comma list: 1 (2 slices in one process) and/or 2")
+    ap.add_argument("--static", action="store_true", help="also a one-process run whose drafter does not learn")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     out = {"command": "python benchmarks/critical_path.py " + " ".join(sys.argv[1:]), "runs": {}}
@@ -70,7 +77,16 @@ def main() -> None:
             out["runs"][f"{p}_process"] = s = summary(run(p, args.steps, Path(tmp) / f"p{p}"))
             print(f"{p} process(es): critical path median {s['critical_s_median']:.3f} s per RL step (after step 1 "
                   f"at most {s['critical_s_after_step_1_max']:.3f} s); one drafter step {s['drafter_step_s']:.3f} s; "
-                  f"drafter steps per slice {s['drafter_steps_per_slice']}")
+                  f"drafter steps per slice {s['drafter_steps_per_slice']}; accept length first / last 4 steps "
+                  f"{s['accept_length_first_last_4']}")
+        if args.static:
+            rows = run(1, args.steps, Path(tmp) / "static", ("--config.drafter.lr=1e-12",))
+            out["runs"]["1_process_static"] = s = {
+                "accept_length": [r["rollout/accept_length"] for r in rows],
+                "accept_length_first_last_4": [statistics.mean(r["rollout/accept_length"] for r in rows[:4]),
+                                               statistics.mean(r["rollout/accept_length"] for r in rows[-4:])],
+                "reward_mean": [r["reward/mean"] for r in rows]}
+            print(f"static drafter: accept length first / last 4 steps {s['accept_length_first_last_4']}")
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
 

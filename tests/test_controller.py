@@ -22,7 +22,8 @@ from tlt_jax.controller import (
 from tlt_jax.distributed import MeshConfig, make_mesh
 from tlt_jax.drafter import DrafterOptimConfig, EagleDrafter
 from tlt_jax.drafter.buffer import DrafterBuffer
-from tlt_jax.drafter.spot import SpotTrainer
+from tlt_jax.drafter.spot import HELDOUT, SpotTrainer
+from tlt_jax.drafter.train import drafter_loss
 from tlt_jax.models import CausalLM, tiny_config
 from tlt_jax.rollout import HiddenCapture, SamplingParams
 
@@ -233,6 +234,7 @@ def test_two_slices_match_one(model, two):
         one.close()
     assert c.tokens == a.tokens
     assert m["controller/train_steps"] == 2 and m["drafter/total_steps"] == 2
+    assert 0 <= m[HELDOUT] <= 1  # a single slice scores the drafter at its end, on all of the step's responses
     states = [iv["state"] for iv in ctl.scheduler.timeline]
     assert states in ([BUSY, TRAINING], [BUSY, TRAINING, IDLE])  # idle only between the last step and finish
     assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
@@ -249,6 +251,8 @@ def test_two_slices_match_one(model, two):
 
 @pytest.mark.slow
 def test_controller_trains_on_the_idle_slice(model, two, tmp_path):
+    import jax
+
     rollout = two
     drafter = EagleDrafter(model.config, rngs=nnx.Rngs(1))
     trainer = SpotTrainer(drafter, rollout.meshes, rollout.policy, optim=DrafterOptimConfig(learning_rate=1e-3))
@@ -258,7 +262,19 @@ def test_controller_trains_on_the_idle_slice(model, two, tmp_path):
     # Slice 0 (prompts 0-2) finishes after a few tokens; slice 1 (prompts 3-4) decodes 50 more, 1 per round trip.
     params = SamplingParams(temperature=1.0, n=2, max_new_tokens=[4, 4, 4, 50, 50], seed=3, ignore_eos=True)
     want = rollout.generate(PROMPTS, params)
+    evaluated, evaluate = [], trainer.evaluate
+
+    def spy(s, batch):  # the held-out top-1: on slice 0 while slice 1 decodes, of the drafter before any step
+        evaluated.append((s, list(ctl.scheduler.busy()), batch, jax.device_get(trainer.params_on(s))))
+        return evaluate(s, batch)
+
+    trainer.evaluate = spy
     res, m = ctl.run_step(1, PROMPTS, params)
+    [(s, busy, batch, before)] = evaluated
+    assert s == 0 and 1 in busy
+    top1 = drafter_loss(nnx.merge(trainer.graphdef, before), rollout.policy(0), batch, trainer.loss_cfg)[1].top1
+    assert m[HELDOUT] == pytest.approx(float(top1), abs=1e-6)
+    assert batch.next_tokens.shape == (4, 16) and 0 < float(batch.loss_mask.sum()) <= 6 * 4  # slice 0's responses
     calls = []
     res2, m2 = ctl.run_step(2, PROMPTS, params, on_chunk=lambda f, a: calls.append((f, a)))
     assert all(f + a == 10 for f, a in calls) and calls[-1] == (10, 0)
@@ -379,3 +395,19 @@ def test_deferred_compiles_wait_for_every_slice(model):
         assert not any(e.pool.held for e in rollout.engines.values())
     finally:
         rollout.close()
+
+
+def test_board_wait_returns_when_the_key_is_posted_or_stopped():
+    """The board in one process: ``wait`` wakes as soon as another thread posts the key, and gives up on a stop."""
+    import threading
+    import time
+
+    from tlt_jax.distributed.board import Board
+
+    board, stop = Board("t"), threading.Event()
+    threading.Timer(0.05, board.post, args=("1/3",)).start()
+    t = time.monotonic()
+    assert board.wait("1/3", stop, check_s=5.0) and time.monotonic() - t < 2.0
+    threading.Timer(0.05, stop.set).start()
+    assert not board.wait("1/4", stop, check_s=0.1)
+    assert board.keys("1") == {"3"}

@@ -222,6 +222,11 @@ deadline = time.time() + 30
 while board.keys("7") != {"0", "1"} and time.time() < deadline:
     time.sleep(0.01)
 posted = sorted(board.keys("7"))
+import threading
+stop = threading.Event()
+stop.set()
+waited = [board.wait(f"7/{1 - me}", threading.Event()), board.wait("8/never", stop)]  # the other's key; a stop
+posted.append(waited)
 w = jax.device_put(np.arange(12.0).reshape(6, 2), NamedSharding(make_mesh(), PartitionSpec("data")))
 copy = process_local({"w": w, "n": 3})
 local_copy = [copy["w"].is_fully_addressable, np.asarray(copy["w"]).tolist(), copy["n"]]
@@ -273,7 +278,7 @@ def test_host_collectives_on_two_processes():
     # sliced rollouts across processes: each sees the other's notice, a whole local copy of a sharded array, and
     # the replicas' average on its own slice (only process 1's slice trained, then both) with each slice's step
     # count and metric sums
-    assert r0["posted"] == r1["posted"] == ["0", "1"]
+    assert r0["posted"] == r1["posted"] == ["0", "1", [True, False]]  # a key seen by keys() and wait()
     assert r0["local_copy"] == r1["local_copy"] == [True, np.arange(12.0).reshape(6, 2).tolist(), 3]
     assert r0["exchanged"] == r1["exchanged"] == [np.full((2, 3), 1.5).tolist(), 5, True, {"1": 4},
                                                   {"1": [2.0, 0.5]}, 1.0]
@@ -387,6 +392,8 @@ def test_tlt_slices_across_two_processes(tmp_path):
         _assert_close({k: v for k, v in rows[step].items() if k.startswith(rl)},
                       {k: v for k, v in ref[step].items() if k.startswith(rl)}, step)
         assert rows[step]["drafter/steps"] > 0 and rows[step]["drafter/replicas"] >= 1, rows[step]
+        # scored during the rollout by the slice that finished first (either process's), reported by process 0
+        assert 0 <= rows[step]["drafter/top1"] <= 1, rows[step]
         for k in ("drafter/buffer_tokens", "buffer/samples"):  # each process buffers its own slice's: summed
             assert rows[step][k] == ref[step][k] > 0, (step, k)
     timeline = [json.loads(line) for line in (multi / TIMELINE_FILE).read_text().splitlines()]

@@ -314,6 +314,12 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
             ckpt.wait()
             raise Stopped(signum, step, ckpt.directory, saved=step in saved)
 
+    def settle() -> None:
+        """Before an update: the pending checkpoint save ends, and the host memory it wrote from goes back to the OS
+        (left to the end of the step it would sit under the update's own, the run's peak: issue 42)."""
+        ckpt.settle()
+        _trim_host_heap()
+
     final: dict[str, float] = {}
     try:
         if cfg.eval.at_start and start == 0:
@@ -325,7 +331,7 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
             examples = gather_global_batch(next(train_iter))  # this process's shard -> the global batch
             online.begin(step)
             # The previous step's checkpoint save ends before this step's update donates the state it reads.
-            metrics = {**learner.step(step, examples, progress, before_update=ckpt.settle), **online.metrics(),
+            metrics = {**learner.step(step, examples, progress, before_update=settle), **online.metrics(),
                        **data.info}
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.num_steps:
                 metrics.update(learner.evaluate(data.eval, **eval_kwargs))
@@ -354,6 +360,7 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
             if ckpt.should_save(step) or step == cfg.train.num_steps:
                 save(step)
             check_stop(step)
+        settle()  # the last save's host copies are gone before the final evaluation's rollout
         final = learner.evaluate(data.eval, **eval_kwargs)
         exported = online.export()
         if exported:

@@ -3,8 +3,10 @@
 ``Controller.run_step`` starts every slice's share of the rollout on its worker thread, then reacts to completions
 on the calling thread (the only thread that touches the state machine and the data buffer): a finished shard's
 captured hidden states go into the buffer and the scheduler decides whether that slice (and other idle ones) start
-drafter steps; a finished drafter step is followed by another one while any slice is still decoding. Batches are
-packed here, before a step is handed to the slice's thread, so they depend only on the dispatch order. At the end
+drafter steps (the first slice to finish while others decode first scores the current drafter on the step's
+responses, held out since it never trained on them); a finished drafter step is followed by another one while any
+slice is still decoding. Batches are packed here, before a step is handed to the slice's thread, so they depend only
+on the dispatch order. At the end
 the spot trainer averages its replicas, the timeline is appended to ``timeline.jsonl`` and the merged rollout
 result comes back in the original prompt order with per-step metrics.
 """
@@ -15,13 +17,14 @@ import concurrent.futures
 import json
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from tlt_jax.controller.scheduler import ControllerConfig, SliceScheduler
+from tlt_jax.controller.scheduler import BUSY, ControllerConfig, SliceScheduler
 from tlt_jax.controller.slices import SlicedRollout, merge_results, progress_hooks
 from tlt_jax.distributed.board import Board
 from tlt_jax.drafter.buffer import DrafterBuffer
@@ -29,7 +32,6 @@ from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.rollout import RolloutResult, SamplingParams
 
 TIMELINE_FILE = "timeline.jsonl"
-BOARD_POLL_S = 0.01  # how often a process with idle slices looks for other processes' finished slices
 
 
 class Controller:
@@ -59,8 +61,7 @@ class Controller:
         self.rollout, self.trainer, self.buffer, self.cfg = rollout, trainer, buffer, cfg
         self.workdir = None if workdir is None else os.fspath(workdir)
         self.scheduler = SliceScheduler(rollout.num_slices, cfg, local=rollout.local_slices)
-        self.rollout_ended_at = 0.0  # time.perf_counter() when the last run_step's last shard ended
-        self.drafter_critical_s = 0.0  # drafter work from then until the replicas were averaged
+        self.drafter_critical_s = 0.0  # the last run_step's drafter work after its last shard ended (anywhere)
         # Across processes: finished slices are posted on the coordinator's board; call numbers keep steps apart.
         self.board = Board("tlt_jax/rollout_done") if rollout.across_processes else None
         self.calls = 0
@@ -68,6 +69,16 @@ class Controller:
     def _batch(self, step: int, s: int, k: int):
         seed = (step * 1_000_003 + s * 7_919 + k) % 2**32
         return self.buffer.batch(self.cfg.row_len, self.cfg.rows, seed)
+
+    def _heldout_batch(self, step: int, first: bool, last: bool):
+        """The batch (this step's responses buffered so far) on which a slice that just finished its share evaluates
+        the current drafter (``SpotTrainer.evaluate``), or None. It does so when it is not the last slice anywhere to
+        finish, so it costs the step no time, or when it is the first as well (a single slice, or the only one with
+        prompts). first / last: as far as this process knows (its view of other processes' slices may lag, which only
+        makes a slice look early)."""
+        if self.trainer is None or not self.cfg.train_drafter or (last and not first):
+            return None
+        return self.buffer.step_batch(step, self.cfg.row_len, self.cfg.rows)
 
     def run_step(self, step: int, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  request_ids: Sequence[int] | None = None,
@@ -96,7 +107,7 @@ class Controller:
         results: dict[int, RolloutResult] = {}
         local = [0] * self.rollout.num_slices
         inflight: set[concurrent.futures.Future] = set()
-        swaps = 0
+        swaps, evaluated = 0, False
 
         def submit(kind: str, s: int, fn, *args) -> None:
             fut = self.rollout.workers[s].submit(fn, *args)
@@ -108,11 +119,15 @@ class Controller:
                 submit("train", s, self.trainer.train_step, s, self._batch(step, s, local[s]))
                 local[s] += 1
 
-        def others_done(t: float) -> None:
-            """Slices of other processes whose end was posted: idle now (their drafter steps are theirs)."""
-            for s in sorted(remote & {int(k) for k in self.board.keys(str(call))}):
-                remote.discard(s)
-                dispatch(sched.rollout_done(s, t, can_train=training and self.buffer.ready()))
+        stop_watching = threading.Event()
+
+        def watch(s: int) -> None:
+            """Another process's slice ``s``: an event as soon as its end is posted on the board."""
+            if self.board.wait(f"{call}/{s}", stop_watching):
+                events.put(("remote", s, None))
+
+        for s in sorted(remote):
+            threading.Thread(target=watch, args=(s,), name=f"board-slice{s}", daemon=True).start()
 
         held = self.rollout.hold_compiles()  # released once every slice of this process has finished its share
         for j in mine:
@@ -120,21 +135,19 @@ class Controller:
         dispatch(sched.poll(0.0, training and self.buffer.ready()))  # slices with no prompt, previous-step data
         error: BaseException | None = None
         while inflight or remote:
-            try:
-                kind, s, fut = events.get(timeout=BOARD_POLL_S if remote else None)
-            except queue.Empty:
-                if error is None:
-                    others_done(now())
+            kind, s, fut = events.get()
+            t = now()
+            if kind == "remote":  # another process's slice finished: idle now (its drafter steps are its own)
+                if error is None and s in remote:
+                    remote.discard(s)
+                    dispatch(sched.rollout_done(s, t, can_train=training and self.buffer.ready()))
                 continue
             inflight.discard(fut)
-            t = now()
             if fut.exception() is not None:
                 error = error or fut.exception()
             if error is not None:
                 remote.clear()  # stop waiting for the others: this process raises (its peers fail in the exchange)
                 continue  # let in-flight work finish, dispatch nothing new, then raise
-            if remote:
-                others_done(t)
             if kind == "rollout":
                 results[s] = fut.result()
                 if len(results) == len(mine):
@@ -143,9 +156,14 @@ class Controller:
                     self.board.post(f"{call}/{s}")
                 if self.buffer is not None:
                     self.buffer.add_result(job_of[s].prompts, results[s])
+                decoding = len(sched.busy())  # slice s included
+                heldout = None if evaluated else self._heldout_batch(step, decoding == len(with_work), decoding == 1)
+                if heldout is not None:  # on this slice's thread, before its drafter steps
+                    submit("heldout", s, self.trainer.evaluate, s, heldout)
+                    evaluated = True
                 ready = training and self.buffer.ready()
                 dispatch(sched.rollout_done(s, t, can_train=ready))
-            else:
+            elif kind == "train":
                 busy = [b for b in sched.busy() if b in self.rollout.engines] if self.cfg.hot_swap else []
                 if busy:  # engines read their drafter at every chunk: the swap lands at the next chunk boundary
                     drafter = self.trainer.replica_drafter(s)
@@ -154,6 +172,7 @@ class Controller:
                     swaps += len(busy)
                 if sched.train_step_done(s, t):
                     dispatch([s])
+        stop_watching.set()
         if error is not None:
             self.rollout.release(held)
             if training:
@@ -161,14 +180,11 @@ class Controller:
             raise error
         self.rollout.release(held)  # (already, unless this process had no share)
         metrics = sched.finish(now())
-        self.rollout_ended_at = t0 + sched.rollout_end
         if self.cfg.hot_swap:
             metrics["controller/hot_swaps"] = float(swaps)
         if training:  # drafter loss / top-1 over the step's drafter steps, read once; across processes every
             metrics.update(self.trainer.end_step())  # process's replicas and metrics (one collective)
-        # Drafter work after the last shard ended so far (the steps in flight; across processes the replicas'
-        # exchange waits for the last of them anywhere): ControlledRollout adds what it does after this.
-        self.drafter_critical_s = max(0.0, time.perf_counter() - self.rollout_ended_at)
+        averaged = now()
         timeline = [dict(iv, process=jax.process_index()) for iv in sched.timeline]
         if self.buffer is not None:  # each process's own buffer (summed over processes below)
             metrics.update(self.buffer.stats())
@@ -176,8 +192,14 @@ class Controller:
             metrics["drafter/dropped"] = float(self.buffer.dropped)
         # The rollout's results and the controller's metrics and timeline from every process: one exchange.
         results, parts = self.rollout.exchange(results, dict(metrics=metrics, timeline=timeline, t0=t0_unix))
+        shift = 0.0  # this process's clock onto the timeline's (the first process's, across processes)
         if self.rollout.across_processes:
             metrics, timeline = merge_processes(metrics, parts)
+            shift = t0_unix - parts[0]["t0"]
+        # Drafter work after the last shard anywhere ended: the steps in flight and the replicas' average (across
+        # processes a collective that waits for the last of them). ControlledRollout adds publishing.
+        last_shard = max((iv["end"] for iv in timeline if iv["state"] == BUSY), default=0.0)
+        self.drafter_critical_s = max(0.0, averaged + shift - last_shard)
         self._write_timeline(step, t0_unix, timeline)
         result = merge_results(len(prompts), jobs, [results[j.slice] for j in jobs])
         return result, metrics
@@ -201,11 +223,12 @@ def merge_processes(metrics: dict[str, float], parts: list[dict]) -> tuple[dict[
     base = parts[0]["t0"]
     summed = ("controller/", "buffer/", "drafter/buffer_tokens", "drafter/dropped")
     out = {k: sum(p["metrics"][k] for p in parts) for k in metrics if k.startswith(summed)}
-    rollout_end = max(p["metrics"]["controller/rollout_s"] + p["t0"] - base for p in parts)
-    end = max(p["metrics"]["controller/rollout_s"] + p["metrics"]["controller/overhang_s"] + p["t0"] - base
-              for p in parts)
-    out["controller/rollout_s"], out["controller/overhang_s"] = rollout_end, end - rollout_end
-    out.update({k: v for k, v in metrics.items() if not k.startswith(summed)})
     moved = [dict(iv, start=iv["start"] + p["t0"] - base, end=iv["end"] + p["t0"] - base)
              for p in parts for iv in p["timeline"]]
+    # The rollout ends with the last shard anywhere (a process learns of others' ends a little late).
+    rollout_end = max((iv["end"] for iv in moved if iv["state"] == BUSY), default=0.0)
+    end = max(p["metrics"]["controller/rollout_s"] + p["metrics"]["controller/overhang_s"] + p["t0"] - base
+              for p in parts)
+    out["controller/rollout_s"], out["controller/overhang_s"] = rollout_end, max(0.0, end - rollout_end)
+    out.update({k: v for k, v in metrics.items() if not k.startswith(summed)})
     return out, moved

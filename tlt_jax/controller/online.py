@@ -20,7 +20,7 @@ from tlt_jax.controller.controller import Controller
 from tlt_jax.controller.scheduler import ControllerConfig
 from tlt_jax.controller.slices import SlicedRollout
 from tlt_jax.drafter.buffer import BufferSample, DrafterBuffer
-from tlt_jax.drafter.spot import SpotTrainer
+from tlt_jax.drafter.spot import HELDOUT, SpotTrainer
 from tlt_jax.rollout import RolloutResult, SamplingParams
 
 log = logging.getLogger("tlt_jax")
@@ -37,7 +37,6 @@ class ControlledRollout:
         self.trainer: SpotTrainer | None = controller.trainer
         self.buffer: DrafterBuffer | None = controller.buffer
         self._step: int | None = None
-        self._eval = None
         self.metrics: dict[str, float] = {}
 
     # ---- the engine surface the learner uses -----------------------------------------------------------------
@@ -88,55 +87,28 @@ class ControlledRollout:
         if self._step is None:
             return self.rollout.generate(prompts, params, request_ids=request_ids, on_chunk=on_chunk)
         step, self._step = self._step, None
-        first = self.rollout.local_slices[0]
-        before = None if self.trainer is None else self.trainer.params_on(first)  # the drafter of this rollout
         res, m = self.controller.run_step(step, prompts, params, request_ids=request_ids, on_chunk=on_chunk)
         if self.trainer is not None:
             m.setdefault("drafter/loss", float("nan"))
             m["drafter/train_top1"] = m.pop("drafter/top1", float("nan"))
+            # Top-1 agreement with the policy of the drafter that drafted this rollout, on the step's own responses
+            # (which it never trained on): evaluated during the rollout by a slice that had finished (Controller).
+            m["drafter/top1"] = m.pop(HELDOUT, float("nan"))
             t = time.perf_counter()
-            m["drafter/top1"] = self.heldout_top1(step, before)
             self.publish_drafter()
             # What drafter work added to the RL step: from the last shard's end, the drafter steps still in flight or
-            # run after the rollout and averaging the replicas, then the held-out top-1 and publishing (not the
-            # exchange of the rollout's results between processes, which is the rollout's).
+            # run after the rollout and averaging the replicas, then publishing (not the exchange of the rollout's
+            # results between processes, which is the rollout's).
             m["drafter/critical_s"] = self.controller.drafter_critical_s + time.perf_counter() - t
         self.metrics = m
         return res
 
-    def heldout_top1(self, step: int, params) -> float:
-        """Top-1 agreement with the policy of the drafter with ``params`` (the one that drafted step ``step``, which
-        never trained on that step's responses) on a batch of this step's buffered responses: held-out data."""
-        cfg = self.controller.cfg
-        batch = self.buffer.step_batch(step, cfg.row_len, cfg.rows)
-        if batch is None:
-            return float("nan")
-        return float(self._evaluator()(params, self.rollout.policy(self.rollout.local_slices[0]), batch))
-
-    def _evaluator(self):
-        """The jitted held-out top-1 of drafter params on a batch (built once)."""
-        if self._eval is None:
-            import jax
-            from flax import nnx
-
-            from tlt_jax.drafter.train import drafter_loss
-
-            graphdef, loss_cfg = self.trainer.graphdef, self.trainer.loss_cfg
-            self._eval = jax.jit(lambda p, policy, b: drafter_loss(nnx.merge(graphdef, p), policy, b, loss_cfg)[1].top1)
-        return self._eval
-
     def compile(self) -> None:
-        """Compile the drafter's steps (every slice's) and the held-out evaluation before the first RL step, so no
-        compile lands on an RL step's critical path (the first drafter step of a slice may be the one in flight when
-        the rollout ends)."""
-        from tlt_jax.drafter.spot import dummy_batch
-
+        """Compile every slice's drafter step and held-out evaluation before the first RL step, so no compile lands on
+        an RL step's critical path (the first drafter step of a slice may be the one in flight when the rollout
+        ends)."""
         cfg = self.controller.cfg
         self.trainer.compile(cfg.rows, cfg.row_len)
-        hidden = self.rollout.policy(self.rollout.local_slices[0]).config.hidden_size
-        batch = dummy_batch(cfg.rows, cfg.row_len, hidden)
-        first = self.rollout.local_slices[0]
-        self._evaluator()(self.trainer.params_on(first), self.rollout.policy(first), batch)
 
     def publish_drafter(self) -> None:
         """The trainer's current drafter to every slice's engine (used from the next generate on), each from the copy

@@ -61,8 +61,9 @@ class ReplicaMerger:
     def __call__(self, states: Mapping[int, Any], trained: Mapping[int, bool], steps: Mapping[int, int],
                  sums: Mapping[int, Sequence[float]]) -> tuple[dict[int, Any], dict[int, int], dict[int, list[float]]]:
         """states: this process's slices' replicas (on their meshes; a slice that did not train gives its copy of
-        the current state). Returns (the average on each of those slices, every slice's step count and metric sums
-        where it ran steps). Every process calls it at once (a collective when the slices span processes)."""
+        the current state). Returns (the average on each of those slices, every slice's step count where it ran
+        steps, and its metric sums where it ran steps or reported a nonzero sum). Every process calls it at once (a
+        collective when the slices span processes)."""
         local = sorted(states)
         zero = [0.0] * self.logged
         leaves = [jax.tree.leaves(states[s]) for s in local]
@@ -76,7 +77,7 @@ class ReplicaMerger:
                                                      zip(out, self._leaf_specs, shapes, strict=True)])
                for s in local}
         all_steps = {s: int(row[1]) for s, row in enumerate(meta) if row[1]}
-        all_sums = {s: [float(v) for v in meta[s, 2:]] for s in all_steps}
+        all_sums = {s: [float(v) for v in row[2:]] for s, row in enumerate(meta) if row[1] or row[2:].any()}
         return avg, all_steps, all_sums
 
     def _stack(self, xs: Sequence[jax.Array], sharding: NamedSharding) -> jax.Array:

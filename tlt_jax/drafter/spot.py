@@ -7,8 +7,9 @@ averaged on the devices, every process's at once (``replicas.ReplicaMerger``: fl
 the max), and every slice's copy becomes that average: the state never goes through the host between steps. Keys
 and batches depend only on (RL step, slice, local step), so the same dispatch decisions give the same weights.
 
-The drafter/train.py names used here (DrafterLossConfig, DrafterOptimConfig, DrafterTrainState,
-make_drafter_train_step) are all imported in one block.
+The held-out top-1 (``evaluate``) of the drafter a rollout drafts with runs on a slice that is idle anyway, and its
+value travels to every process with the step's average. The drafter/train.py names used here (DrafterLossConfig,
+DrafterOptimConfig, DrafterTrainState, make_drafter_train_step) are all imported in one block.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tlt_jax.drafter.train import (
     DrafterOptimConfig,
     DrafterTrainState,
     batch_sharding,
+    drafter_loss,
     init_drafter_train_state,
     make_drafter_optimizer,
     make_drafter_train_step,
@@ -42,6 +44,7 @@ from tlt_jax.drafter.train import (
 )
 
 LOGGED = ("drafter/loss", "drafter/top1")  # drafter-step metrics averaged over the RL step's drafter steps
+HELDOUT = "drafter/heldout_top1"  # the current drafter's top-1 on this step's responses (``evaluate``)
 
 
 class SpotTrainer:
@@ -74,7 +77,7 @@ class SpotTrainer:
         self.loss_cfg = loss
         self.optimizer = make_drafter_optimizer(optim)
         self.graphdef, _ = init_drafter_train_state(drafter, self.optimizer)
-        self._shardings, self._steps, self._batch_sh, self._multiple = {}, {}, {}, {}
+        self._shardings, self._steps, self._batch_sh, self._multiple, self._evals = {}, {}, {}, {}, {}
         self._placed: dict[int, DrafterTrainState] = {}  # each slice's copy of the current state, on its devices
         for s, m in self.meshes.items():
             self._multiple[s] = int(np.prod([m.shape[a] for a in rules.lookup("batch")]))
@@ -82,18 +85,21 @@ class SpotTrainer:
             self._shardings[s] = jax.tree.map(lambda x: x.sharding, self._placed[s])
             self._steps[s] = make_drafter_train_step(self.graphdef, self.optimizer, loss, m, rules)
             self._batch_sh[s] = batch_sharding(m, rules)
+            self._evals[s] = jax.jit(lambda p, policy, b: drafter_loss(nnx.merge(self.graphdef, p), policy, b,
+                                                                       self.loss_cfg)[1].top1)
         if all_meshes is None:
             if self.slices != list(range(len(self.slices))) or across_processes:
                 raise ValueError("SpotTrainer: give all_meshes (every slice's mesh) when meshes are some slices only")
             all_meshes = [self.meshes[s] for s in self.slices]
         specs = jax.tree.map(lambda sh: sh.spec, self._shardings[self.slices[0]])
-        self._merger = ReplicaMerger(all_meshes, specs, len(LOGGED))
+        self._merger = ReplicaMerger(all_meshes, specs, len(LOGGED) + 2)  # + held-out top-1 sum and count
         self.batch_multiple = [self._multiple[s] for s in self.slices]  # batch-parallel devices per slice
         self._lock = threading.Lock()
         self.rl_step = 0
         self.replicas: dict[int, DrafterTrainState] = {}
         self.local_steps: dict[int, int] = {}
-        self.logs: dict[int, list] = {}  # this RL step's drafter-step metrics per slice, on device until end_step
+        self.logs: dict[int, jax.Array] = {}  # per slice, this RL step's sums of the LOGGED metrics (on device)
+        self.heldout: dict[int, jax.Array] = {}  # this RL step's held-out top-1 per slice that evaluated (on device)
 
     @property
     def num_slices(self) -> int:
@@ -104,11 +110,12 @@ class SpotTrainer:
         if self.replicas:
             raise RuntimeError("SpotTrainer.begin_step: the previous step's replicas were not merged (end_step)")
         self.rl_step = int(rl_step)
-        self.local_steps, self.logs = {}, {}
+        self.local_steps, self.logs, self.heldout = {}, {}, {}
 
     def compile(self, rows: int, row_len: int) -> None:
-        """Compile every slice's drafter step ahead of time for [rows, row_len] batches, so that the first step a
-        slice runs (perhaps the one in flight when the rollout ends) does not compile on the RL step's path."""
+        """Compile every slice's drafter step and held-out evaluation ahead of time for [rows, row_len] batches, so
+        that the first step a slice runs (perhaps the one in flight when the rollout ends) does not compile on the RL
+        step's path."""
         for s in self.slices:
             policy = self.policy_for(s)
             batch = dummy_batch(rows, row_len, policy.config.hidden_size)
@@ -116,6 +123,20 @@ class SpotTrainer:
                                  self._placed[s])
             batch = jax.device_put(batch, self._batch_sh[s])
             self._steps[s] = self._steps[s].lower(state, policy, batch, jax.random.key(0)).compile()
+            self._evals[s] = self._evals[s].lower(state.params, policy, batch).compile()
+
+    def evaluate(self, s: int, batch: DrafterBatch) -> None:
+        """Top-1 agreement with the policy of slice ``s``'s copy of the current drafter (the one this RL step's
+        rollout drafted with, which never trained on that rollout's responses) on ``batch`` of them: held-out data.
+        The value stays on the device until ``end_step``, which reports the mean over the slices (of every process)
+        that evaluated as ``HELDOUT``. Run on a slice whose share has finished while others decode, it costs the RL
+        step nothing."""
+        with busy(self.activity, ("drafter", s)):
+            batch = jax.device_put(batch, self._batch_sh[s])
+            value = self._evals[s](self._placed[s].params, self.policy_for(s), batch)
+            jax.block_until_ready(value)
+        with self._lock:
+            self.heldout[s] = value
 
     def train_step(self, s: int, batch: DrafterBatch) -> dict[str, jax.Array]:
         """One drafter gradient step on slice ``s`` (thread-safe across slices; one call per slice at a time). It
@@ -137,25 +158,29 @@ class SpotTrainer:
             state, m = self._steps[s](state, self.policy_for(s), batch, key)
             jax.block_until_ready(state)  # no host read: the controller (preemption) and activity see the step's end
         out = {f"drafter/{name}": v for name, v in m._asdict().items()}
+        logged = jnp.stack([out[name] for name in LOGGED])  # summed on the device: end_step reads one row a slice
         with self._lock:
             self.replicas[s] = state
             self.local_steps[s] = k + 1
-            self.logs.setdefault(s, []).append(out)
+            self.logs[s] = logged if s not in self.logs else self.logs[s] + logged
         return out
 
     def end_step(self) -> dict[str, float]:
         """Average the replicas that trained (every process's: all call it at once) into every slice's copy of the
-        current state, on the devices; returns step metrics over all slices."""
+        current state, on the devices; returns step metrics over all slices (``HELDOUT``: NaN when no slice
+        evaluated)."""
         with self._lock:
             reps, steps = dict(self.replicas), dict(self.local_steps)
-            logs = jax.device_get(self.logs)  # one read of every step's metrics
-            self.replicas, self.logs = {}, {}
-        sums = {s: [sum(float(m[k]) for m in ms) for k in LOGGED] for s, ms in logs.items()}
+            logs, heldout = jax.device_get((self.logs, self.heldout))  # one read: every slice's metric sums
+            self.replicas, self.logs, self.heldout = {}, {}, {}
+        sums = {s: [float(v) for v in logs.get(s, [0.0] * len(LOGGED))]
+                + ([float(heldout[s]), 1.0] if s in heldout else [0.0, 0.0]) for s in set(logs) | set(heldout)}
         states = {s: reps.get(s, self._placed[s]) for s in self.slices}
         self._placed, steps, sums = self._merger(states, {s: s in reps for s in self.slices}, steps, sums)
-        n = sum(steps.values())
+        n, evaluated = sum(steps.values()), sum(v[-1] for v in sums.values())
         out = {"drafter/steps": float(n), "drafter/replicas": float(len(steps)),
-               "drafter/total_steps": float(jax.device_get(self._placed[self.slices[0]].step))}
+               "drafter/total_steps": float(jax.device_get(self._placed[self.slices[0]].step)),
+               HELDOUT: sum(v[-2] for v in sums.values()) / evaluated if evaluated else float("nan")}
         if n:  # means over every drafter step of the RL step, on every slice
             out.update({k: sum(v[i] for v in sums.values()) / n for i, k in enumerate(LOGGED)})
         return out
