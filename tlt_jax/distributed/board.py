@@ -24,7 +24,7 @@ class Board:
         self.namespace = namespace.strip("/")
         self._client = _client() if jax.process_count() > 1 else None
         self._local: set[str] = set()
-        self._lock = threading.Condition()
+        self._cond = threading.Condition()  # guards _local; notified on every post
 
     def _full(self, key: str) -> str:
         return f"{self.namespace}/{key.strip('/')}"
@@ -32,9 +32,9 @@ class Board:
     def post(self, key: str) -> None:
         """Make ``key`` visible to every process (posting it twice is allowed)."""
         if self._client is None:
-            with self._lock:
+            with self._cond:
                 self._local.add(self._full(key))
-                self._lock.notify_all()
+                self._cond.notify_all()
             return
         self._client.key_value_set(self._full(key), "1", allow_overwrite=True)
 
@@ -42,7 +42,7 @@ class Board:
         """The keys posted so far under ``prefix`` (relative to the prefix, as posted after it)."""
         root = self._full(prefix) + "/"
         if self._client is None:
-            with self._lock:
+            with self._cond:
                 return {k[len(root):] for k in self._local if k.startswith(root)}
         return {k[len(root):] for k, _ in self._client.key_value_dir_get(root)}
 
@@ -50,9 +50,9 @@ class Board:
         """Block until ``key`` is posted (True, as soon as it is) or ``stop`` is set (False, within ``check_s``)."""
         full = self._full(key)
         if self._client is None:
-            with self._lock:
+            with self._cond:
                 while full not in self._local and not stop.is_set():
-                    self._lock.wait(check_s)
+                    self._cond.wait(check_s)
                 return full in self._local
         while not stop.is_set():
             t = time.monotonic()
