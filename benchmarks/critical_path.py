@@ -3,9 +3,10 @@
 Runs the main job on configs/tiny_tlt.py (two slices, long-tailed answers, a fresh EAGLE drafter trained only while
 some slice still decodes, no drafter steps after the rollout) in one process, and with ``--processes 2`` as two
 ``jax.distributed`` processes on this machine (launch/local.sh, one slice per process). Per RL step it reports
-``drafter/critical_s`` (what drafter work added after the last slice anywhere finished: the step in flight, the
-replicas' average and publishing; the held-out top-1 runs during the rollout) against the run's mean drafter step
-(``controller/train_s`` / ``drafter/steps``), the drafter steps each slice got, and the accept length of every
+``drafter/critical_s`` (what drafter work added after the last slice anywhere finished: the steps in flight, which
+``controller/overhang_s`` measures alone, then dispatching the replicas' average, publishing, and any of the average
+still running when the rollout returns; the held-out top-1 runs during the rollout) against the run's mean drafter
+step (``controller/train_s`` / ``drafter/steps``), the drafter steps each slice got, and the accept length of every
 step. ``--static`` adds a one-process run whose drafter does not learn (``drafter.lr`` = 1e-12: Adam's steps of
 about 1e-12 leave the fresh drafter as it was), the baseline for the accept length.
 
@@ -46,6 +47,7 @@ def run(processes: int, steps: int, workdir: Path, extra: tuple[str, ...] = ()) 
 
 def summary(rows: list[dict]) -> dict:
     crit = [r["drafter/critical_s"] for r in rows]
+    in_flight = [r["controller/overhang_s"] for r in rows]
     steps = sum(r["drafter/steps"] for r in rows)
     step_s = sum(r["controller/train_s"] for r in rows) / steps if steps else None
     slices = sorted(k for k in rows[0] if k.startswith("controller/train_steps/slice_"))
@@ -53,6 +55,8 @@ def summary(rows: list[dict]) -> dict:
         critical_s=crit,
         critical_s_median=statistics.median(crit),
         critical_s_after_step_1_max=max(crit[1:]) if len(crit) > 1 else None,
+        in_flight_s_median=statistics.median(in_flight),  # the drafter work in flight at the rollout's end
+        beyond_in_flight_s_median=statistics.median(c - f for c, f in zip(crit, in_flight, strict=True)),
         drafter_step_s=step_s,
         drafter_steps=[r["drafter/steps"] for r in rows],
         drafter_steps_per_slice={k.rsplit("_", 1)[1]: sum(r[k] for r in rows) for k in slices},
@@ -76,7 +80,8 @@ def main() -> None:
         for p in (int(x) for x in args.processes.split(",")):
             out["runs"][f"{p}_process"] = s = summary(run(p, args.steps, Path(tmp) / f"p{p}"))
             print(f"{p} process(es): critical path median {s['critical_s_median']:.3f} s per RL step (after step 1 "
-                  f"at most {s['critical_s_after_step_1_max']:.3f} s); one drafter step {s['drafter_step_s']:.3f} s; "
+                  f"at most {s['critical_s_after_step_1_max']:.3f} s; in flight {s['in_flight_s_median']:.3f} s, the "
+                  f"rest {s['beyond_in_flight_s_median']:.3f} s); one drafter step {s['drafter_step_s']:.3f} s; "
                   f"drafter steps per slice {s['drafter_steps_per_slice']}; accept length first / last 4 steps "
                   f"{s['accept_length_first_last_4']}")
         if args.static:

@@ -186,7 +186,8 @@ def warm(policy):
 
 def test_warmup_trains_a_drafter_that_gets_accepted(tmp_path, policy, warm):
     """Train on the policy's own greedy outputs; the trained drafter's greedy acceptance beats a random one's and
-    speculative output still equals plain output."""
+    speculative output still equals plain output. Publishing the trained weights back (``set_drafter_params``)
+    restores the trained drafter's acceptance."""
     prompts, drafter, hist, samples = warm
     assert len(samples) == 16 and hist[-1]["loss"] < hist[0]["loss"]
     save_drafter(drafter, tmp_path)
@@ -199,6 +200,11 @@ def test_warmup_trains_a_drafter_that_gets_accepted(tmp_path, policy, warm):
     assert [r[0] for r in trained.tokens] == [r[0] for r in random.tokens] == [r for _, r in samples[:4]]
     acc = [res.stats["mean_accept_length"] for res in (trained, random)]
     assert acc[0] > acc[1] + 0.5, acc
+    engine.set_drafter_params(nnx.state(drafter, nnx.Param))  # the trained weights back, as a publish does
+    again = engine.generate(prompts[:4], params)
+    assert again.tokens == trained.tokens and again.stats["mean_accept_length"] == acc[0]
+    with pytest.raises(ValueError, match="do not fit"):
+        engine.set_drafter_params(nnx.state(policy, nnx.Param))
 
 
 def test_chain_profile_predicts_every_verify_of_greedy_chain_decoding(policy, warm):

@@ -164,3 +164,37 @@ def test_checkpoint_round_trip_and_export(setup, fresh, tmp_path):
     mine = nnx.state(t.drafter(), nnx.Param)
     for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(nnx.state(back, nnx.Param)), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_average_is_one_all_reduce_exact_for_counters_and_read_later():
+    """The replicas' average is one all-reduce (no all-gather, no second reduction); integer counters of any size
+    come back exact (max over the slices); a slice that did not train neither weighs in nor loses its copy when none
+    trained; a NaN metric sum stays in its own slice's row; the figures are read from the table afterwards."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from tlt_jax.drafter.replicas import ReplicaMerger
+
+    meshes = split_mesh(make_mesh(MeshConfig(data=2), jax.devices()[:2]), 2)
+    merger = ReplicaMerger(meshes, {"w": PartitionSpec(), "count": PartitionSpec()}, 2)
+    put = lambda s, v: jax.device_put(v, NamedSharding(meshes[s], PartitionSpec()))  # noqa: E731
+    big = [2**24 + 1, 2**30 + 3]
+    states = {s: {"w": put(s, np.full((2, 3), 1.0 + 2 * s, np.float32)), "count": put(s, np.array(big[s], np.int32))}
+              for s in (0, 1)}
+    avg, meta = merger(states, {0: True, 1: True}, {0: 2, 1: 5}, {0: [float("nan"), 1.0], 1: [3.0, 4.0]})
+    stacked = [merger._stack([jax.tree.leaves(states[s])[i] for s in (0, 1)], merger._stacked[i]) for i in range(2)]
+    hlo = merger._merge.lower(stacked, merger._stack_rows([0, 1], [np.zeros(4, np.float32)] * 2)).compile().as_text()
+    assert hlo.count("all-reduce(") + hlo.count("all-reduce-start(") == 1, hlo
+    assert "all-gather" not in hlo
+    steps, sums = merger.read(meta)
+    assert steps == {0: 2, 1: 5}
+    assert np.isnan(sums[0][0]) and sums[0][1] == 1.0 and sums[1] == [3.0, 4.0]
+    for s in (0, 1):
+        np.testing.assert_array_equal(np.asarray(avg[s]["w"]), np.full((2, 3), 2.0, np.float32))
+        assert int(avg[s]["count"]) == 2**30 + 3 and avg[s]["w"].sharding.mesh == meshes[s]
+    avg, meta = merger(states, {1: True}, {1: 1}, {})  # slice 0 did not train: slice 1's replica is the average
+    assert merger.read(meta) == ({1: 1}, {1: [0.0, 0.0]})  # (sums where a slice ran steps)
+    np.testing.assert_array_equal(np.asarray(avg[0]["w"]), np.full((2, 3), 3.0, np.float32))
+    same = {s: {"w": put(s, np.full((2, 3), 7.0, np.float32)), "count": put(s, np.array(-5, np.int32))} for s in (0, 1)}
+    avg, meta = merger(same, {}, {}, {})  # none trained: every slice keeps its (equal) copy
+    assert merger.read(meta) == ({}, {})
+    assert float(np.asarray(avg[1]["w"])[0, 0]) == 7.0 and int(avg[0]["count"]) == -5

@@ -234,8 +234,9 @@ slices = split_mesh(make_mesh(), 2)  # one slice per process
 merger = ReplicaMerger(slices, {"p": PartitionSpec(), "count": PartitionSpec()}, 2)
 put = lambda v: jax.device_put(v, NamedSharding(slices[me], PartitionSpec()))
 state = {"p": put(np.full((2, 3), 0.5 + me, np.float32)), "count": put(np.array(5 * me, np.int32))}
-avg, steps, sums = merger({me: state}, {me: me == 1}, {me: 4 * me}, {me: [2.0 * me, 0.5]} if me else {})
-both, _, _ = merger({me: state}, {me: True}, {me: 1}, {})
+avg, meta = merger({me: state}, {me: me == 1}, {me: 4 * me}, {me: [2.0 * me, 0.5]} if me else {})
+steps, sums = merger.read(meta)
+both, _ = merger({me: state}, {me: True}, {me: 1}, {})
 exchanged = [np.asarray(avg[me]["p"]).tolist(), int(avg[me]["count"]), avg[me]["p"].sharding.mesh == slices[me],
              steps, sums, float(np.asarray(both[me]["p"])[0, 0])]
 print("RESULT " + json.dumps(dict(

@@ -82,9 +82,12 @@ class Controller:
 
     def run_step(self, step: int, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  request_ids: Sequence[int] | None = None,
-                 on_chunk: Callable[[int, int], None] | None = None) -> tuple[RolloutResult, dict[str, float]]:
+                 on_chunk: Callable[[int, int], None] | None = None,
+                 wait_for_drafter: bool = True) -> tuple[RolloutResult, dict[str, float]]:
         """Roll out ``prompts`` over all slices, training the drafter on idle ones; returns (result, metrics).
         on_chunk(finished, active): rollout progress summed over this process's slices (see SlicedRollout.generate).
+        The drafter replicas' average is dispatched last; with wait_for_drafter the metrics include its figures
+        (``SpotTrainer.step_metrics``), otherwise the caller reads them later, while the RL step goes on.
         Across processes every process calls it with the same arguments; each runs its own slices and learns from the
         board when the others' finish, so its idle slices train while any slice anywhere decodes."""
         jobs = self.rollout.jobs(prompts, params, request_ids)
@@ -180,11 +183,9 @@ class Controller:
             raise error
         self.rollout.release(held)  # (already, unless this process had no share)
         metrics = sched.finish(now())
+        loop_done = now()  # the drafter steps in flight at the rollout's end have ended
         if self.cfg.hot_swap:
             metrics["controller/hot_swaps"] = float(swaps)
-        if training:  # drafter loss / top-1 over the step's drafter steps, read once; across processes every
-            metrics.update(self.trainer.end_step())  # process's replicas and metrics (one collective)
-        averaged = now()
         timeline = [dict(iv, process=jax.process_index()) for iv in sched.timeline]
         if self.buffer is not None:  # each process's own buffer (summed over processes below)
             metrics.update(self.buffer.stats())
@@ -196,10 +197,18 @@ class Controller:
         if self.rollout.across_processes:
             metrics, timeline = merge_processes(metrics, parts)
             shift = t0_unix - parts[0]["t0"]
-        # Drafter work after the last shard anywhere ended: the steps in flight and the replicas' average (across
-        # processes a collective that waits for the last of them). ControlledRollout adds publishing.
+        dispatch = now()
+        if training:  # every process's replicas averaged on the devices (one collective), dispatched
+            self.trainer.average()
+        went_on = time.perf_counter()
+        # Drafter work after the last shard anywhere ended: the steps in flight, then dispatching the average (not the
+        # exchange, which is the rollout's). The average runs on while the RL step goes on; what of it runs past the
+        # caller's going on counts too (``SpotTrainer.averaged_after``). ControlledRollout adds publishing.
         last_shard = max((iv["end"] for iv in timeline if iv["state"] == BUSY), default=0.0)
-        self.drafter_critical_s = max(0.0, averaged + shift - last_shard)
+        self.drafter_critical_s = max(0.0, loop_done + shift - last_shard) + now() - dispatch
+        if training and wait_for_drafter:
+            metrics.update(self.trainer.step_metrics())
+            self.drafter_critical_s += self.trainer.averaged_after(went_on)
         self._write_timeline(step, t0_unix, timeline)
         result = merge_results(len(prompts), jobs, [results[j.slice] for j in jobs])
         return result, metrics

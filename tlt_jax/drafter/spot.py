@@ -4,7 +4,8 @@ Within an RL step every slice that trains starts a replica from its copy of the 
 AdamW state, kept on the slice's devices) and steps it on its own sub-mesh, with no collective across slices; which
 slices train, and for how many steps, changes nothing compiled. At the step boundary the replicas that trained are
 averaged on the devices, every process's at once (``replicas.ReplicaMerger``: float leaves a mean, integer counters
-the max), and every slice's copy becomes that average: the state never goes through the host between steps. Keys
+the max), and every slice's copy becomes that average: the state never goes through the host between steps. The
+average is dispatched, not waited for: the RL step goes on while it runs, and its figures are read later. Keys
 and batches depend only on (RL step, slice, local step), so the same dispatch decisions give the same weights.
 
 The held-out top-1 (``evaluate``) of the drafter a rollout drafts with runs on a slice that is idle anyway, and its
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,7 +58,7 @@ class SpotTrainer:
     the policy on slice s's mesh (read at every step, so policy updates published to the slices are picked up; the
     policy only supplies the frozen embedding and LM head). all_meshes: every slice's mesh by slice index, other
     processes' slices included (default: ``meshes``, which must then be every slice). across_processes: the other
-    slices train on other processes; ``end_step`` averages every process's replicas in one program spanning them.
+    slices train on other processes; ``average`` averages every process's replicas in one program spanning them.
     activity: the sliced rollout's ``Activity``, where drafter steps are registered while they run.
     """
 
@@ -100,6 +102,8 @@ class SpotTrainer:
         self.local_steps: dict[int, int] = {}
         self.logs: dict[int, jax.Array] = {}  # per slice, this RL step's sums of the LOGGED metrics (on device)
         self.heldout: dict[int, jax.Array] = {}  # this RL step's held-out top-1 per slice that evaluated (on device)
+        self._pending: dict[str, Any] | None = None  # the last average's table, total step count and metrics
+        self.averaged_at: float | None = None
 
     @property
     def num_slices(self) -> int:
@@ -128,9 +132,9 @@ class SpotTrainer:
     def evaluate(self, s: int, batch: DrafterBatch) -> None:
         """Top-1 agreement with the policy of slice ``s``'s copy of the current drafter (the one this RL step's
         rollout drafted with, which never trained on that rollout's responses) on ``batch`` of them: held-out data.
-        The value stays on the device until ``end_step``, which reports the mean over the slices (of every process)
-        that evaluated as ``HELDOUT``. Run on a slice whose share has finished while others decode, it costs the RL
-        step nothing."""
+        The value stays on the device until ``average``; ``step_metrics`` reports the mean over the slices (of every
+        process) that evaluated as ``HELDOUT``. Run on a slice whose share has finished while others decode, it
+        costs the RL step nothing."""
         with busy(self.activity, ("drafter", s)):
             batch = jax.device_put(batch, self._batch_sh[s])
             value = self._evals[s](self._placed[s].params, self.policy_for(s), batch)
@@ -140,7 +144,7 @@ class SpotTrainer:
 
     def train_step(self, s: int, batch: DrafterBatch) -> dict[str, jax.Array]:
         """One drafter gradient step on slice ``s`` (thread-safe across slices; one call per slice at a time). It
-        returns when the step has run, with its metrics still on device: ``end_step`` reads them all at once."""
+        returns when the step has run, with its metrics still on device: ``average`` reads them all at once."""
         if s not in self.meshes:
             raise ValueError(f"slice {s} is not one of this trainer's slices {self.slices}")
         with self._lock:
@@ -158,7 +162,7 @@ class SpotTrainer:
             state, m = self._steps[s](state, self.policy_for(s), batch, key)
             jax.block_until_ready(state)  # no host read: the controller (preemption) and activity see the step's end
         out = {f"drafter/{name}": v for name, v in m._asdict().items()}
-        logged = jnp.stack([out[name] for name in LOGGED])  # summed on the device: end_step reads one row a slice
+        logged = jnp.stack([out[name] for name in LOGGED])  # summed on the device: average reads one row a slice
         with self._lock:
             self.replicas[s] = state
             self.local_steps[s] = k + 1
@@ -166,9 +170,15 @@ class SpotTrainer:
         return out
 
     def end_step(self) -> dict[str, float]:
+        """``average``, then its ``step_metrics`` (waiting for it)."""
+        self.average()
+        return self.step_metrics()
+
+    def average(self) -> None:
         """Average the replicas that trained (every process's: all call it at once) into every slice's copy of the
-        current state, on the devices; returns step metrics over all slices (``HELDOUT``: NaN when no slice
-        evaluated)."""
+        current state, on the devices. Only dispatched: drafter steps, publishing and checkpoints use the copies where
+        they lie, and ``step_metrics`` reads the step's figures. ``averaged_at`` becomes the ``time.perf_counter()``
+        at which the program was seen done (by a waiting thread, or by ``step_metrics``)."""
         with self._lock:
             reps, steps = dict(self.replicas), dict(self.local_steps)
             logs, heldout = jax.device_get((self.logs, self.heldout))  # one read: every slice's metric sums
@@ -176,14 +186,47 @@ class SpotTrainer:
         sums = {s: [float(v) for v in logs.get(s, [0.0] * len(LOGGED))]
                 + ([float(heldout[s]), 1.0] if s in heldout else [0.0, 0.0]) for s in set(logs) | set(heldout)}
         states = {s: reps.get(s, self._placed[s]) for s in self.slices}
-        self._placed, steps, sums = self._merger(states, {s: s in reps for s in self.slices}, steps, sums)
-        n, evaluated = sum(steps.values()), sum(v[-1] for v in sums.values())
-        out = {"drafter/steps": float(n), "drafter/replicas": float(len(steps)),
-               "drafter/total_steps": float(jax.device_get(self._placed[self.slices[0]].step)),
-               HELDOUT: sum(v[-2] for v in sums.values()) / evaluated if evaluated else float("nan")}
-        if n:  # means over every drafter step of the RL step, on every slice
-            out.update({k: sum(v[i] for v in sums.values()) / n for i, k in enumerate(LOGGED)})
-        return out
+        self._placed, meta = self._merger(states, {s: s in reps for s in self.slices}, steps, sums)
+        self._pending = dict(meta=meta, total=self._placed[self.slices[0]].step, metrics=None)
+        self.averaged_at = None
+
+        def watch(pending=self._pending):  # only timing: a failed program raises in step_metrics' read
+            try:
+                jax.block_until_ready(pending["meta"])
+            except Exception:  # noqa: BLE001
+                return
+            with self._lock:
+                if pending is self._pending and self.averaged_at is None:
+                    self.averaged_at = time.perf_counter()
+
+        threading.Thread(target=watch, name="drafter-average", daemon=True).start()
+
+    def step_metrics(self) -> dict[str, float]:
+        """The last ``average``'s RL-step metrics over all slices (``HELDOUT``: NaN when no slice evaluated); the
+        first call waits for the program."""
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("SpotTrainer.step_metrics: no average yet (call average or end_step first)")
+        if pending["metrics"] is None:
+            steps, sums = self._merger.read(pending["meta"])
+            total = float(jax.device_get(pending["total"]))
+            with self._lock:
+                if self.averaged_at is None:
+                    self.averaged_at = time.perf_counter()
+            n, evaluated = sum(steps.values()), sum(v[-1] for v in sums.values())
+            out = {"drafter/steps": float(n), "drafter/replicas": float(len(steps)), "drafter/total_steps": total,
+                   HELDOUT: sum(v[-2] for v in sums.values()) / evaluated if evaluated else float("nan")}
+            if n:  # means over every drafter step of the RL step, on every slice
+                out.update({k: sum(v[i] for v in sums.values()) / n for i, k in enumerate(LOGGED)})
+            pending["metrics"] = out
+        return dict(pending["metrics"])
+
+    def averaged_after(self, t: float) -> float:
+        """Seconds the last average ran past ``t`` (a ``time.perf_counter()``; 0 when it was done by then), once
+        ``step_metrics`` has read it."""
+        if self.averaged_at is None:
+            raise RuntimeError("SpotTrainer.averaged_after: read the average first (step_metrics)")
+        return max(0.0, self.averaged_at - t)
 
     def train_steps(self, s: int, batches: Callable[[int], DrafterBatch], n: int) -> list[dict[str, float]]:
         """``n`` steps on slice ``s`` with ``batches(k)`` as the k-th batch (single slice, no idle time: run after
@@ -198,7 +241,7 @@ class SpotTrainer:
         return jax.device_get(self._placed[self.slices[0]])
 
     def params_on(self, s: int) -> Any:
-        """The current drafter params on slice ``s``'s devices (no copy; valid until the next ``end_step``)."""
+        """The current drafter params on slice ``s``'s devices (no copy; the next average leaves them as they are)."""
         return self._placed[s].params
 
     def drafter(self, s: int | None = None) -> EagleDrafter:

@@ -188,6 +188,19 @@ class RolloutEngine:
             raise ValueError("set_drafter: the new drafter's structure differs from the engine's drafter")
         self.drafter_params = params
 
+    def set_drafter_params(self, params: nnx.State) -> None:
+        """``set_drafter`` for new values of some of the drafter's variables (e.g. ``nnx.state(drafter, nnx.Param)``
+        of a drafter of the same structure), the others kept: the cheap form for a publish every RL step. Leaves
+        placed otherwise than the engine's are moved to its placement (no copy where that is equivalent)."""
+        if self.drafter_kind != "eagle":
+            raise ValueError("set_drafter_params: this engine has no EAGLE drafter")
+        new = nnx.State.merge(self.drafter_params, params)
+        if jax.tree.structure(new) != jax.tree.structure(self.drafter_params):
+            raise ValueError("set_drafter_params: the new variables do not fit the engine's drafter")
+        self.drafter_params = jax.tree.map(
+            lambda x, old: x if x.sharding == old.sharding else jax.device_put(x, old.sharding), new,
+            self.drafter_params)
+
     @staticmethod
     def _shape_of(spec: SpecConfig | None):
         return None if spec is None else dataclasses.replace(spec, threshold=0, patience=0)
