@@ -18,11 +18,15 @@ that would start after --time_budget_s is skipped and listed; the JSON is rewrit
   floor of its weights (``engine_bs1_step_over_floor``), per layer layout.
 - ``tail``: ``benchmarks/rollout_tail.py``'s long tail (64 requests up to 256 tokens) through the engine and through
   the whole-batch loop: ``tail_speedup``, and whether both emitted the same greedy tokens.
+- ``plan``: ``python -m tlt_jax.plan``'s CPU estimate of a bf16 rollout's decode / verify temporaries (from a float32
+  copy's compile; ``configs/gsm8k.py``, SmolLM2 shape, one device; tiny_tlt in --smoke) against this GPU's own
+  compile of the same steps (``plan_gpu_over_estimate``: above 1 means the estimate is low), and XLA:CPU's figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -210,6 +214,29 @@ def tail_section(s, out: dict, smoke: bool) -> None:
     out["tail"] = {k: r[k] for k in keep}
 
 
+def plan_section(out: dict, smoke: bool) -> None:
+    from tlt_jax.config import from_config_dict
+    from tlt_jax.distributed import MeshConfig, make_mesh
+    from tlt_jax.plan import plan_run
+
+    name, shape = ("tiny_tlt", None) if smoke else ("gsm8k", "smollm2-135m")
+    spec = importlib.util.spec_from_file_location(f"cfg_{name}", Path(__file__).parents[1] / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cd = module.get_config()
+    cd.rollout.dtype, cd.drafter.online = "bfloat16", False  # (online training reads hidden states in fp32)
+    if smoke:  # tiny_tlt's EAGLE drafter is the one trained online: n-gram verify steps instead; one slice
+        cd.rollout.speculative, cd.rollout.num_slices = "ngram", 1
+    cfg = from_config_dict(cd)
+    res = {}
+    for name, devices, mode in (("device", jax.devices()[:1], "compiled"), ("cpu_estimate", jax.devices("cpu")[:1],
+                                "estimate"), ("cpu_compiled", jax.devices("cpu")[:1], "compiled")):
+        plan = plan_run(cfg, make_mesh(MeshConfig(), devices), shape=shape, backend="gpu", bf16_temps=mode)
+        res[name] = {k: plan.steps[k].temp_bytes for k in ("decode", "verify") if plan.steps.get(k) is not None}
+    res["gpu_over_estimate"] = {k: res["device"][k] / max(1, res["cpu_estimate"][k]) for k in res["device"]}
+    out["plan"] = res
+
+
 def headline(out: dict) -> dict:
     """The issue's figures from the sections that ran (the best variant of each; None where a section was skipped)."""
     dec = out.get("decode", {})
@@ -230,6 +257,7 @@ def headline(out: dict) -> dict:
         "prefill_mfu": pre["tflops"] / peak if pre and peak else None,
         "engine_bs1_step_over_floor": min(over)[0] if over else None,
         "tail_speedup": out.get("tail", {}).get("speedup"),
+        "plan_gpu_over_estimate": out.get("plan", {}).get("gpu_over_estimate"),
     }
 
 
@@ -238,7 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, fp32): the same code, in minutes")
     ap.add_argument("--out", default=str(RESULT))
     ap.add_argument("--time_budget_s", type=float, default=420.0, help="start no section after this many seconds")
-    ap.add_argument("--sections", default="matmul,decode,prefill,engine_bs1,tail,engine_bs1_stacked",
+    ap.add_argument("--sections", default="matmul,decode,prefill,engine_bs1,tail,engine_bs1_stacked,plan",
                     help="in order; engine_bs1 times the unstacked engine, engine_bs1_stacked the stacked one")
     args = ap.parse_args(argv)
     s = shapes(args.smoke)
@@ -270,6 +298,7 @@ def main(argv=None) -> int:
         "engine_bs1": lambda: engine_bs1_section(s, peak, out, budget, ("unstacked",)),
         "engine_bs1_stacked": lambda: engine_bs1_section(s, peak, out, budget, ("stacked",)),
         "tail": lambda: tail_section(s, out, args.smoke),
+        "plan": lambda: plan_section(out, args.smoke),
     }
     for name in args.sections.split(","):
         if not budget(name):

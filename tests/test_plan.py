@@ -1,6 +1,7 @@
 """``tlt_jax.plan`` on 8 simulated devices: collective bytes from HLO text, the abstract state against the real run's
 objects, the plan's figures against the run's own compiled programs, the start-up check, the command line."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -230,6 +231,30 @@ def test_online_drafter_step_and_slice_engine_are_the_runs_own():
         ctl.close()
 
 
+def test_bfloat16_rollout_temporaries_on_cpu_are_estimated_from_a_float32_compile():
+    """XLA:CPU's bfloat16 decode and verify steps hold float32 copies of the weights and KV cache that a GPU compile
+    does not make: by default the plan takes those steps' temporaries from a float32 rollout copy's compile (that
+    run's own figures), keeps the bfloat16 arguments and reports the compiled figure beside the estimate;
+    bf16_temps="compiled" keeps XLA:CPU's."""
+    bf16 = _cfg(*SHARDED, "--config.rollout.dtype=bfloat16")
+    mesh = make_mesh(bf16.mesh)
+    est = plan_run(bf16, mesh, backend="cpu")
+    raw = plan_run(bf16, mesh, backend="cpu", bf16_temps="compiled")
+    f32 = plan_run(_cfg(*SHARDED, "--config.rollout.dtype=float32"), mesh, backend="cpu")
+    for k in ("decode", "verify"):
+        e, r, f = est.steps[k], raw.steps[k], f32.steps[k]
+        assert (e.temp_source, r.temp_source, f.temp_source) == ("float32 estimate", "compiled", "compiled")
+        assert e.temp_bytes == f.temp_bytes and e.compiled_temp_bytes == r.temp_bytes > e.temp_bytes, (e, r)
+        assert e.argument_bytes == r.argument_bytes < f.argument_bytes  # the bfloat16 copy's weights and cache
+        assert e.to_json()["compiled_temp_bytes"] == r.temp_bytes
+    train = est.steps["train"]
+    assert train == dataclasses.replace(raw.steps["train"], compile_seconds=train.compile_seconds)
+    assert est.steps["decode"].transient_bytes < raw.steps["decode"].transient_bytes  # what the peak adds up
+    assert "* estimated from a float32 compile" in est.table() and "estimated" not in raw.table()
+    with pytest.raises(ValueError, match="bf16_temps must be one of"):
+        plan_run(bf16, mesh, bf16_temps="gpu")
+
+
 def test_startup_check_follows_train_plan_check_and_refuses_a_run_that_does_not_fit():
     mesh = make_mesh(MeshConfig(data=-1))
     assert startup_check(_cfg("--config.train.plan_check=off"), mesh) is None
@@ -304,6 +329,10 @@ def test_command_line_writes_the_documented_json_and_refuses_a_run_that_does_not
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the run does not fit: the plan needs ") and "rl.micro_batch_size" in last
     assert "DOES NOT FIT" in proc.stdout
+
+    proc = _plan_cli(*SHARDED, "--config.rollout.dtype=bfloat16", "--bf16_temps=compiled", f"--json={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert {json.loads(out.read_text())["steps"][k]["temp_source"] for k in ("decode", "verify")} == {"compiled"}
 
     proc = _plan_cli("--config.rl.micro_batch_size=12")
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: config.rl.micro_batch_size")

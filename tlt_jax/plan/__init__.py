@@ -10,10 +10,11 @@ use of it (``train.plan_check``). See ``core`` (the steps, the peak), ``abstract
 """
 
 from tlt_jax.plan.abstract import SHAPES
-from tlt_jax.plan.core import GB, MEMORY_FRACTION, Plan, StepPlan, device_budget, plan_run, startup_check
+from tlt_jax.plan.core import BF16_TEMPS, GB, MEMORY_FRACTION, Plan, StepPlan, device_budget, plan_run, startup_check
 from tlt_jax.plan.hlo import COLLECTIVES, CollectiveStats, collective_stats, shape_bytes
 
 __all__ = [
+    "BF16_TEMPS",
     "COLLECTIVES",
     "GB",
     "MEMORY_FRACTION",

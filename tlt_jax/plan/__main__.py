@@ -1,12 +1,13 @@
 r"""Plan a run's per-device memory and collectives on N simulated devices, without loading weights.
 
     python -m tlt_jax.plan --config=FILE [--config.key=value ...] --devices=N [--device_memory_gb=80]
-        [--json=PATH] [--shape=NAME] [--backend=gpu]
+        [--json=PATH] [--shape=NAME] [--backend=gpu] [--bf16_temps=estimate]
 
 The config is read as ``tlt_jax.main`` reads it. The run's mesh (``mesh.*``) is built over N simulated CPU devices
 (set up before JAX starts; a process whose JAX already runs on fewer devices is refused), its state abstractly, and
 its steps are compiled ahead of time by XLA:CPU (whose sharding passes are XLA's own; its temporaries for bfloat16
-programs include float32 weight copies, see ``tlt_jax.plan.core``).
+programs include float32 weight and cache copies, so a bfloat16 rollout's decode and verify temporaries are by
+default estimated from a float32 copy's compile, ``--bf16_temps=compiled`` keeps XLA:CPU's; see ``tlt_jax.plan.core``).
 Files the plan does not read may stay empty: data files (the prompt length is ``data.max_prompt_len``, or the
 synthetic prompts' length) and, with ``--shape``, the model (``--shape=qwen2.5-7b`` gives Qwen2.5-7B's shape to a
 config whose ``model.path`` is missing; ``tlt_jax.plan.SHAPES`` lists the names). ``--backend`` is the backend the
@@ -39,6 +40,9 @@ def define_flags() -> None:
     flags.DEFINE_string("json", None, "Write the plan as JSON here.")
     flags.DEFINE_string("shape", None, "A model shape name (tlt_jax.plan.SHAPES) instead of the config's model.")
     flags.DEFINE_enum("backend", "gpu", ["gpu", "tpu", "cpu"], "The backend of the planned run (its rollout layout).")
+    flags.DEFINE_enum("bf16_temps", "estimate", ["estimate", "compiled"],
+                      "A bfloat16 rollout's decode / verify temporaries: estimated from a float32 compile, or "
+                      "XLA:CPU's own (which hold float32 copies a GPU does not make).")
 
 
 def setup_devices(n: int) -> list:
@@ -101,7 +105,7 @@ def main(argv: Sequence[str]) -> None:
         raise ConfigError(f"config.mesh: {e}") from e
     budget = int(FLAGS.device_memory_gb * GB * MEMORY_FRACTION)
     plan = plan_run(cfg, mesh, device_memory_bytes=budget, shape=FLAGS.shape, backend=FLAGS.backend,
-                    log=lambda line: print(line, file=sys.stderr, flush=True))
+                    log=lambda line: print(line, file=sys.stderr, flush=True), bf16_temps=FLAGS.bf16_temps)
     print(plan.table(), flush=True)
     if FLAGS.json:
         out = dict(plan.to_json(), device_memory_gb=FLAGS.device_memory_gb, backend=FLAGS.backend,

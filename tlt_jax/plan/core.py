@@ -24,7 +24,11 @@ but it has no bfloat16 matmul and no bfloat16 scatter: in a bfloat16 decode step
 and every layer's KV cache (to write one position into it, then back), to float32 copies, and its schedule keeps them
 alive together inside the token loop (the decode module's buffer assignment under ``XLA_FLAGS=--xla_dump_to=DIR``).
 Its temporaries for bfloat16 programs (a bfloat16 rollout copy's decode and verify steps) thus include float32 copies
-a GPU compile does not make.
+a GPU compile does not make (Qwen2.5-7B, 8 devices: 53.8 GB a decode step). So on CPU, by default
+(``bf16_temps="estimate"``), those two steps' temporaries are taken from a second compile of the same steps from a
+float32 rollout copy, which has no such copies and whose activations are twice a bfloat16 step's (2.3 GB there):
+an estimate of a GPU's, not a GPU's own figure; their arguments stay the bfloat16 step's, and the as-compiled
+figure is kept beside it (``compiled_temp_bytes``).
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ from tlt_jax.distributed import LogicalRules
 from tlt_jax.plan import abstract as ab
 from tlt_jax.plan.hlo import CollectiveStats, collective_stats
 
-__all__ = ["GB", "MEMORY_FRACTION", "Plan", "StepPlan", "device_budget", "plan_run", "startup_check"]
+__all__ = ["BF16_TEMPS", "GB", "MEMORY_FRACTION", "Plan", "StepPlan", "device_budget", "plan_run", "startup_check"]
 
 # The share of a GPU's memory JAX may take: launch/slurm/train.sbatch exports XLA_PYTHON_CLIENT_MEM_FRACTION with
 # this value (JAX's own default is 0.75); the plan assumes it.
 MEMORY_FRACTION = 0.90
 GB = 10**9  # figures are in decimal GB, as GPU memory is quoted (80 GB)
+BF16_TEMPS = ("estimate", "compiled")  # a bfloat16 rollout's step temporaries on CPU (``plan_run``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,8 @@ class StepPlan:
     collectives: CollectiveStats
     compile_seconds: float
     hint: str  # the config keys that size this step
+    temp_source: str = "compiled"  # or "float32 estimate" (see the module docstring)
+    compiled_temp_bytes: int | None = None  # with an estimate: the temporaries as compiled
 
     @property
     def collective_bytes(self) -> int:
@@ -83,7 +90,8 @@ class StepPlan:
                     collective_bytes=c.bytes, output_bytes=self.output_bytes, alias_bytes=self.alias_bytes,
                     resident_argument_bytes=self.resident_argument_bytes, transient_bytes=self.transient_bytes,
                     collective_bytes_static=c.static_bytes, collectives=c.by_kind, collective_ops=c.ops,
-                    unknown_trip_loops=c.unknown_trip_loops, compile_s=round(self.compile_seconds, 2))
+                    unknown_trip_loops=c.unknown_trip_loops, compile_s=round(self.compile_seconds, 2),
+                    temp_source=self.temp_source, compiled_temp_bytes=self.compiled_temp_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,11 +149,17 @@ class Plan:
                 continue
             n = s.collectives.unknown_trip_loops
             loops = f" ({n} loop{'s' * (n > 1)} of unknown trip count counted once)" if n else ""
-            rows.append(f"{k:<{w}} {_gb(s.argument_bytes):>10} {_gb(s.temp_bytes):>12} "
+            mark = "*" if s.compiled_temp_bytes is not None else ""
+            rows.append(f"{k:<{w}} {_gb(s.argument_bytes):>10} {_gb(s.temp_bytes) + mark:>12} "
                         f"{_gb(s.collective_bytes):>17}  {s.what}{loops}")
         rows.append("resident: " + ", ".join(f"{k} {_gb(v)}" for k, v in self.resident.items()))
         if self.steps.get("decode") is not None:
             rows.append("(decode: the chunk's loop has no static trip count, so its collectives are per token step)")
+        estimated = {k: s for k, s in self.steps.items() if s is not None and s.compiled_temp_bytes is not None}
+        if estimated:
+            compiled = ", ".join(f"{k} {_gb(s.compiled_temp_bytes)}" for k, s in estimated.items())
+            rows.append(f"(* estimated from a float32 compile; XLA:CPU's bfloat16 compile holds float32 copies of the "
+                        f"weights and KV cache: {compiled})")
         return "\n".join([*rows, self.summary()])
 
     def refusal(self) -> str:
@@ -209,12 +223,17 @@ def _verify_arm(engine, wave: int) -> tuple[Any, int] | None:
 
 def plan_run(cfg: Config, mesh: Mesh, *, device_memory_bytes: int | None = None,
              memory_fraction: float = MEMORY_FRACTION, shape: str | None = None, backend: str | None = None,
-             rules: LogicalRules = LogicalRules(), log: Callable[[str], None] | None = None) -> Plan:
+             rules: LogicalRules = LogicalRules(), log: Callable[[str], None] | None = None,
+             bf16_temps: str = "estimate") -> Plan:
     """Compile the run's steps ahead of time on ``mesh`` from abstract state and return its memory plan.
 
     shape: a model shape name (``abstract.SHAPES``) instead of reading it from the config. backend: the backend
     whose rollout layout is planned (resolves ``rollout.layers="auto"``; default: this process's).
-    device_memory_bytes: the usable bytes per device (memory x fraction), for ``Plan.fits``."""
+    device_memory_bytes: the usable bytes per device (memory x fraction), for ``Plan.fits``. bf16_temps: compiling
+    for CPU devices with ``rollout.dtype="bfloat16"``, "estimate" takes the decode and verify steps' temporaries from a
+    float32 rollout copy's compile, "compiled" keeps XLA:CPU's (see the module docstring)."""
+    if bf16_temps not in BF16_TEMPS:
+        raise ValueError(f"bf16_temps must be one of {BF16_TEMPS}, got {bf16_temps!r}")
     from tlt_jax.rl.learner import check_micro_batch
 
     say = log or (lambda line: None)
@@ -229,7 +248,12 @@ def plan_run(cfg: Config, mesh: Mesh, *, device_memory_bytes: int | None = None,
         resident["rollout_copy"] = ab.device_bytes(eng.engine.params)
     if eng.engine.drafter_params is not None:
         resident["drafter"] = ab.device_bytes(eng.engine.drafter_params)
-    _rollout_steps(cfg, rules, eng, steps, notes, say)
+    est = None
+    if bf16_temps == "estimate" and cfg.rollout.dtype == "bfloat16" and mesh.devices.flat[0].platform == "cpu":
+        say("tracing a float32 copy of the rollout engine (its steps' temporaries estimate the bfloat16 ones) ...")
+        cfg32 = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, dtype="float32"))
+        est = ab.abstract_engine(cfg32, policy, mesh, backend or jax.default_backend(), rules)
+    _rollout_steps(cfg, rules, eng, steps, notes, say, est)
     r, rl = cfg.rollout, cfg.rl
     resident_hint = ", ".join(filter(None, [
         "rollout.dtype=bfloat16 (the rollout copy)" if eng.holds_copy and not r.dtype else "",
@@ -283,8 +307,9 @@ def _learner_steps(cfg: Config, mesh: Mesh, rules: LogicalRules, policy: ab.Abst
 
 
 def _rollout_steps(cfg: Config, rules: LogicalRules, eng: ab.AbstractEngine, steps: dict, notes: dict,
-                   say: Callable[[str], None]) -> None:
-    """Plan the engine's decode and verify steps and the online drafter's step into ``steps``."""
+                   say: Callable[[str], None], est: ab.AbstractEngine | None = None) -> None:
+    """Plan the engine's decode and verify steps and the online drafter's step into ``steps``; with ``est`` (a
+    float32 copy's engine), the decode and verify steps' temporaries are its steps'."""
     from tlt_jax.adaptive import Arm
     from tlt_jax.rollout import StepKey
     from tlt_jax.rollout.plan import step_key
@@ -298,8 +323,9 @@ def _rollout_steps(cfg: Config, rules: LogicalRules, eng: ab.AbstractEngine, ste
     dtype_hint = "" if r.dtype else ", rollout.dtype=bfloat16"
     hint = (f"data.prompts_per_step / rollout.samples_per_prompt (batch {b}), rollout.max_new_tokens (cache {length})"
             f"{dtype_hint}")
-    steps["decode"] = _measure(what, hint, lambda: engine.pool.compile(
-        StepKey("decode", b, length), *engine.abstract_args(Arm("off"), b, length)), step_resident)
+    steps["decode"] = _estimated(_measure(what, hint, lambda: engine.pool.compile(
+        StepKey("decode", b, length), *engine.abstract_args(Arm("off"), b, length)), step_resident),
+        est, lambda e: e.pool.compile(StepKey("decode", b, length), *e.abstract_args(Arm("off"), b, length)))
 
     verify = _verify_arm(engine, b)
     if verify is None:
@@ -309,10 +335,10 @@ def _rollout_steps(cfg: Config, rules: LogicalRules, eng: ab.AbstractEngine, ste
         arm, vb = verify
         what = f"verify ({arm}): batch {vb}, cache {length}"
         say(f"compiling verify ({what}) ...")
-        steps["verify"] = _measure(
+        steps["verify"] = _estimated(_measure(
             what, f"rollout.spec_threshold (batch {vb}), rollout.spec_verify_tokens / spec_arms{dtype_hint}",
             lambda: engine.pool.compile(step_key(arm, vb, length), *engine.abstract_args(arm, vb, length)),
-            step_resident)
+            step_resident), est, lambda e: e.pool.compile(step_key(arm, vb, length), *e.abstract_args(arm, vb, length)))
 
     if cfg.drafter.online:
         dfn, dargs = ab.drafter_trainer(cfg, eng, rules)
@@ -320,6 +346,15 @@ def _rollout_steps(cfg: Config, rules: LogicalRules, eng: ab.AbstractEngine, ste
         say(f"compiling drafter ({what}) ...")
         steps["drafter"] = _measure(what, "drafter.rows / drafter.row_len", lambda: dfn.lower(*dargs).compile(),
                                     ab.device_bytes(engine.params))
+
+
+def _estimated(step: StepPlan, est: ab.AbstractEngine | None, compile_on: Callable[[Any], Any]) -> StepPlan:
+    """``step`` with its temporaries from the same step compiled on ``est``'s (float32) engine, when given."""
+    if est is None:
+        return step
+    temps = int(compile_on(est.engine).memory_analysis().temp_size_in_bytes)
+    return dataclasses.replace(step, temp_bytes=temps, temp_source="float32 estimate",
+                               compiled_temp_bytes=step.temp_bytes)
 
 
 def device_budget(cfg: Config) -> int | None:
