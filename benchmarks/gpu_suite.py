@@ -26,7 +26,6 @@ that would start after --time_budget_s is skipped and listed; the JSON is rewrit
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -215,19 +214,15 @@ def tail_section(s, out: dict, smoke: bool) -> None:
 
 
 def plan_section(out: dict, smoke: bool) -> None:
-    from tlt_jax.config import from_config_dict
+    from e2e_step import load_config  # (benchmarks/ is on the path: this script's folder)
+
     from tlt_jax.distributed import MeshConfig, make_mesh
     from tlt_jax.plan import plan_run
 
-    name, shape = ("tiny_tlt", None) if smoke else ("gsm8k", "smollm2-135m")
-    spec = importlib.util.spec_from_file_location(f"cfg_{name}", Path(__file__).parents[1] / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cd = module.get_config()
-    cd.rollout.dtype, cd.drafter.online = "bfloat16", False  # (online training reads hidden states in fp32)
+    over = {"rollout.dtype": "bfloat16", "drafter.online": False}  # (online training reads hidden states in fp32)
     if smoke:  # tiny_tlt's EAGLE drafter is the one trained online: n-gram verify steps instead; one slice
-        cd.rollout.speculative, cd.rollout.num_slices = "ngram", 1
-    cfg = from_config_dict(cd)
+        over.update({"rollout.speculative": "ngram", "rollout.num_slices": 1})
+    cfg, shape = (load_config("tiny_tlt", over), None) if smoke else (load_config("gsm8k", over), "smollm2-135m")
     res = {}
     for name, devices, mode in (("device", jax.devices()[:1], "compiled"), ("cpu_estimate", jax.devices("cpu")[:1],
                                 "estimate"), ("cpu_compiled", jax.devices("cpu")[:1], "compiled")):

@@ -200,15 +200,15 @@ class Controller:
         dispatch = now()
         if training:  # every process's replicas averaged on the devices (one collective), dispatched
             self.trainer.average()
-        went_on = time.perf_counter()
+        went_on = now()
         # Drafter work after the last shard anywhere ended: the steps in flight, then dispatching the average (not the
         # exchange, which is the rollout's). The average runs on while the RL step goes on; what of it runs past the
         # caller's going on counts too (``SpotTrainer.averaged_after``). ControlledRollout adds publishing.
         last_shard = max((iv["end"] for iv in timeline if iv["state"] == BUSY), default=0.0)
-        self.drafter_critical_s = max(0.0, loop_done + shift - last_shard) + now() - dispatch
+        self.drafter_critical_s = max(0.0, loop_done + shift - last_shard) + went_on - dispatch
         if training and wait_for_drafter:
             metrics.update(self.trainer.step_metrics())
-            self.drafter_critical_s += self.trainer.averaged_after(went_on)
+            self.drafter_critical_s += self.trainer.averaged_after(t0 + went_on)
         self._write_timeline(step, t0_unix, timeline)
         result = merge_results(len(prompts), jobs, [results[j.slice] for j in jobs])
         return result, metrics
