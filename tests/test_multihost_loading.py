@@ -141,13 +141,13 @@ print("RESULT " + json.dumps(out), flush=True)
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_each_process_holds_its_share_while_loading(tmp_path):
-    """A 2-process job (FSDP over 2 x 4 devices) loads a ~50 MB checkpoint: each process's peak extra memory is
+    """A 2-process job (FSDP over 2 x 4 devices) loads a ~90 MiB checkpoint: each process's peak extra memory is
     about half the model's bytes (its own shards plus little in flight), and the values are the checkpoint's."""
     model = _random_model(
-        vocab_size=4096,
+        vocab_size=8192,
         hidden_size=512,
         intermediate_size=1024,
-        num_layers=3,
+        num_layers=6,
         num_heads=8,
         num_kv_heads=8,
         tie_word_embeddings=False,
@@ -189,8 +189,10 @@ def test_each_process_holds_its_share_while_loading(tmp_path):
     )
     for r in results:
         assert abs(r["local"] - model_bytes / 2) < 0.05 * model_bytes, r  # its devices' shards: half the model
-        # Its half plus one parameter block in flight; a whole-model read would add >= 1.0 x the model on top.
-        assert r["peak"] < 0.75 * model_bytes, (r["peak"], model_bytes)
+        # Its half plus one parameter block in flight (<= 0.09 x the model here); a whole-model read would add
+        # >= 1.0 x the model on top of the half, so the bound sits midway: what else a process allocates while
+        # loading (XLA, the distributed runtime: up to 15 MiB seen under CI's load) stays well inside it.
+        assert r["peak"] < 1.0 * model_bytes, (r["peak"], model_bytes)
         assert r["sums"].keys() == want_sums.keys()
         for k, v in want_sums.items():
             assert abs(r["sums"][k] - v) <= 1e-3 * max(1.0, abs(v)), k
