@@ -295,12 +295,13 @@ def test_batch_is_a_pytree():
     assert len(jax.tree.leaves(b)) == 6
 
 
-def test_loss_matches_numpy_reference(policy):
+@pytest.mark.parametrize("chunk", [0, 8, 12])  # the token loss over whole rows, or 8 / 12 positions at a time
+def test_loss_matches_numpy_reference(policy, chunk):
     """SmoothL1 + 0.1 * soft CE, masked mean over response pairs, recomputed in float64 numpy."""
     drafter = EagleDrafter(CFG, rngs=nnx.Rngs(6))
     batch = pack_sequences(_samples(policy, 4, seed=5), row_len=32)
     jb = jax.tree.map(jnp.asarray, batch)
-    loss, m = drafter_loss(drafter, policy, jb)
+    loss, m = drafter_loss(drafter, policy, jb, DrafterLossConfig(logit_chunk=chunk))
     h_hat = np.asarray(drafter(policy, jb.next_tokens, jb.features, positions=jb.positions,
                                segment_ids=jb.segment_ids), np.float64)
     w = np.asarray(policy.lm_head[...], np.float64)
@@ -319,3 +320,23 @@ def test_loss_matches_numpy_reference(policy):
     np.testing.assert_allclose(float(m.prob_loss), pref, rtol=1e-5)
     np.testing.assert_allclose(float(loss), vref + 0.1 * pref, rtol=1e-5)
     assert abs(float(m.tokens) - mask.sum()) < 1e-6
+
+
+def test_chunked_token_loss_gives_the_whole_rows_gradients(policy):
+    """LM-head chunks of 12 positions (a chunk that does not divide the 32-position rows): the same loss, top-1 and
+    gradients as the whole rows at once, up to float32 summation order."""
+    drafter = EagleDrafter(CFG, rngs=nnx.Rngs(7))
+    graphdef, params = nnx.split(drafter, nnx.Param)
+    jb = jax.tree.map(jnp.asarray, pack_sequences(_samples(policy, 6, seed=9), row_len=32))
+
+    def run(chunk):
+        loss = lambda p: drafter_loss(nnx.merge(graphdef, p), policy, jb, DrafterLossConfig(logit_chunk=chunk))  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (whole, mw), gw = run(0)
+    (chunked, mc), gc = run(12)
+    np.testing.assert_allclose(float(chunked), float(whole), rtol=1e-6)
+    assert float(mc.top1) == float(mw.top1)
+    for a, b in zip(jax.tree.leaves(gw), jax.tree.leaves(gc), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(gw)) > 0

@@ -164,7 +164,13 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
     import jax
     import numpy as np
 
-    from tlt_jax.checkpoint import Checkpointer, CheckpointWriteError, IncompatibleCheckpointError, abstract_like
+    from tlt_jax.checkpoint import (
+        Checkpointer,
+        CheckpointWriteError,
+        IncompatibleCheckpointError,
+        abstract_like,
+        save_in_flight_bytes,
+    )
     from tlt_jax.config import ConfigError, to_json
     from tlt_jax.controller.online import OnlineState
     from tlt_jax.data import prompt_dataset
@@ -226,6 +232,7 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
             every_steps=cfg.checkpoint.every_steps,
             max_to_keep=cfg.checkpoint.max_to_keep,
             async_save=cfg.checkpoint.async_save,
+            in_flight_bytes=save_in_flight_bytes(learner.state),  # the save beside the next rollout: bounded
         )
     except Exception:
         online.close()

@@ -7,6 +7,7 @@ from tlt_jax.checkpoint.manager import (
     Restored,
     UnreadableCheckpointError,
     abstract_like,
+    save_in_flight_bytes,
     tree_differences,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "Restored",
     "UnreadableCheckpointError",
     "abstract_like",
+    "save_in_flight_bytes",
     "tree_differences",
 ]

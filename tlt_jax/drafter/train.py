@@ -47,6 +47,10 @@ class DrafterLossConfig:
     vocab: tuple[int, ...] | None = None  # token loss over these ids only (the drafter's draft vocabulary)
     unroll: int = 1  # training-time test: passes fed with the drafter's own features
     unroll_decay: float = 0.8
+    # Positions per LM-head chunk of the token loss: target and drafter logits [B, chunk, V] exist one chunk at a time
+    # (recomputed in the backward pass), not [B, T, V] whole (SmolLM2's V = 49152 at 4 x 256 positions: the step's
+    # temporaries 1.10 GB -> tlt_jax.plan's "drafter" row). 0: the whole row at once.
+    logit_chunk: int = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +135,26 @@ def smooth_l1(x: jax.Array) -> jax.Array:
     return jnp.where(a < 1.0, 0.5 * x * x, a - 0.5)
 
 
+def token_loss_sums(head, targets: jax.Array, h_hat: jax.Array, mask: jax.Array, chunk: int = 0):
+    """(sum of the masked cross-entropies CE(softmax(head(targets)), log_softmax(head(h_hat))), count of masked
+    positions whose top-1 tokens agree) over [B, T] positions, ``chunk`` positions at a time (0: all at once)."""
+
+    def sums(tg, hh, m):
+        tgt = jax.nn.softmax(head(tg).astype(jnp.float32), axis=-1)
+        logq = jax.nn.log_softmax(head(hh).astype(jnp.float32), axis=-1)
+        hit = jnp.argmax(logq, -1) == jnp.argmax(tgt, -1)
+        return (-(tgt * logq).sum(-1) * m).sum(), (hit * m).sum()
+
+    b, t = mask.shape
+    if chunk <= 0 or t <= chunk:
+        return sums(targets, h_hat, mask)
+    n = -(-t // chunk)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    split = lambda x: jnp.swapaxes(pad(x).reshape(b, n, chunk, *x.shape[2:]), 0, 1)  # noqa: E731
+    cross, hits = jax.lax.map(lambda xs: jax.checkpoint(sums)(*xs), (split(targets), split(h_hat), split(mask)))
+    return cross.sum(), hits.sum()
+
+
 def drafter_loss(drafter, policy, batch: DrafterBatch, cfg: DrafterLossConfig = DrafterLossConfig(), key=None):
     """Scalar loss and LossMetrics (of the first pass). The policy (embedding, LM head) is frozen: no gradient
     flows into it."""
@@ -147,21 +171,18 @@ def drafter_loss(drafter, policy, batch: DrafterBatch, cfg: DrafterLossConfig = 
         head = lambda h: jnp.einsum("...e,ve->...v", h, w.astype(h.dtype))
     mask = batch.loss_mask.astype(jnp.float32)
     denom = jnp.maximum(mask.sum(), 1.0)
-    tgt = jax.nn.softmax(head(batch.targets).astype(jnp.float32), axis=-1)
-    tgt_top = jnp.argmax(tgt, -1)
     same_seg = jnp.concatenate([jnp.zeros_like(batch.segment_ids[:, :1], bool),
                                 batch.segment_ids[:, 1:] == batch.segment_ids[:, :-1]], axis=1)
     total, first = 0.0, None
     for j in range(max(cfg.unroll, 1)):
         h_hat = drafter(policy, batch.next_tokens, feats, positions=batch.positions, segment_ids=batch.segment_ids)
         vloss = (smooth_l1(h_hat.astype(jnp.float32) - batch.targets.astype(jnp.float32)).mean(-1) * mask).sum() / denom
-        logq = jax.nn.log_softmax(head(h_hat).astype(jnp.float32), axis=-1)
-        ploss = (-(tgt * logq).sum(-1) * mask).sum() / denom
+        cross, hits = token_loss_sums(head, batch.targets, h_hat, mask, cfg.logit_chunk)
+        ploss = cross / denom
         loss = cfg.value_weight * vloss + cfg.prob_weight * ploss
         total = total + cfg.unroll_decay**j * loss
         if first is None:
-            top1 = ((jnp.argmax(logq, -1) == tgt_top) * mask).sum() / denom
-            first = (loss, vloss, ploss, top1)
+            first = (loss, vloss, ploss, hits / denom)
         # Next pass: entry t sees the feature this pass predicted for position t (made at entry t - 1).
         prev = jnp.concatenate([feats[:, :1], h_hat[:, :-1].astype(feats.dtype)], axis=1)
         feats = jnp.where(same_seg[..., None], prev, batch.features)

@@ -12,6 +12,7 @@ from flax import nnx
 from tlt_jax.distributed.sharding import constrain
 from tlt_jax.kernels import ATTENTION_IMPLS
 from tlt_jax.models.config import ModelConfig, rope_inv_freq
+from tlt_jax.models.grad_accumulation import scan_accumulating
 from tlt_jax.models.kv_cache import KVCache
 from tlt_jax.models.layers import LOGICAL_AXES, DecoderLayer, RMSNorm, param, rope_cos_sin
 
@@ -19,8 +20,8 @@ from tlt_jax.models.layers import LOGICAL_AXES, DecoderLayer, RMSNorm, param, ro
 class ModelOutput(NamedTuple):
     logits: jax.Array | None  # [B, T, V] (or [B, K, V] at logits_indices)
     hidden: jax.Array  # [B, T, H], final-normed: the tensor that feeds the LM head (EAGLE's feature)
-    k_new: jax.Array  # [L, B, T, KV, D]: keys of the new tokens, for the caller to commit
-    v_new: jax.Array
+    k_new: jax.Array | None  # [L, B, T, KV, D]: the new tokens' keys, for the caller to commit (None: layer_grads_into)
+    v_new: jax.Array | None
 
 
 def causal_mask(t: int) -> jax.Array:
@@ -81,9 +82,11 @@ def unstack_layers(layers: DecoderLayer, n: int) -> nnx.List:
 
 
 def scan_layers(layers: DecoderLayer | nnx.List, x, cos, sin, new_mask, cache: KVCache | None, remat: bool = False,
-                attention_impl: str = "xla", attend_len: int | None = None):
+                attention_impl: str = "xla", attend_len: int | None = None, grads_into: nnx.State | None = None):
     """Run the layers: stacked layers with lax.scan, an ``unstack_layers`` list unrolled (layer i reads cache layer
     i); returns the final activations and the new keys/values of every layer [L, B, T, KV, D].
+    grads_into (a training forward, no cache): the layers' parameter gradients are added into it in place in the
+    backward pass, each layer recomputed there (``grad_accumulation``); no keys/values are returned (None).
     attention_impl "pallas" with a cache and at most PALLAS_MAX_NEW_TOKENS new tokens: the tree-attention kernel.
     attend_len (static): attention reads only the first attend_len cache positions, sliced inside each layer's step
     (fused with that layer's read) rather than copying the whole cache prefix up front."""
@@ -97,6 +100,16 @@ def scan_layers(layers: DecoderLayer | nnx.List, x, cos, sin, new_mask, cache: K
             kc, vc = kc[:, :n], vc[:, :n]
         h, kv = layer(constrain(h, ACTIVATION), cos, sin, new_mask, kc, vc, cache_mask, cache_len)
         return constrain(h, ACTIVATION), kv
+
+    if grads_into is not None:
+        if cache is not None or isinstance(layers, nnx.List):
+            raise ValueError("grads_into goes with a training forward: stacked layers and no KV cache")
+
+        def run_layer(layer, h, consts):  # the RoPE tables and mask as arguments: the custom VJP closes over none
+            h, _ = layer(constrain(h, ACTIVATION), *consts, None, None, None, None)
+            return constrain(h, ACTIVATION)
+
+        return scan_accumulating(layers, x, (cos, sin, new_mask), grads_into, run_layer), None, None
 
     if isinstance(layers, nnx.List):
         ks, vs = [], []
@@ -172,6 +185,7 @@ class CausalLM(nnx.Module):
         logits_indices: jax.Array | None = None,
         return_logits: bool = True,
         attend_len: int | None = None,
+        layer_grads_into: nnx.State | None = None,
     ) -> ModelOutput:
         """Forward over T new tokens per row.
 
@@ -179,7 +193,9 @@ class CausalLM(nnx.Module):
         marks valid (non-padding) tokens; segment_ids [B, T] separates packed samples; tree_mask [B, T, T] replaces
         the causal mask among new tokens; cache: keys/values the new tokens also attend to (up to each row's length);
         logits_indices [B, K]: compute logits only at these positions. attend_len (static int): attention reads only
-        the first attend_len cache positions (>= every row's length; a cache-length bucket).
+        the first attend_len cache positions (>= every row's length; a cache-length bucket). layer_grads_into
+        (training, no cache): a gradient accumulator for the stacked layers' parameters that their gradients are
+        added into in the backward pass (``scan_layers``' grads_into; k_new / v_new are then None).
         """
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"CausalLM.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
@@ -192,7 +208,7 @@ class CausalLM(nnx.Module):
         x = constrain(self.embed(input_ids), ACTIVATION)
         x, k_new, v_new = scan_layers(
             self.layers, x, cos, sin, new_mask, cache, remat=self.remat, attention_impl=self.attention_impl,
-            attend_len=attend_len,
+            attend_len=attend_len, grads_into=layer_grads_into,
         )
         hidden = constrain(self.norm(x), ACTIVATION)
         logits = None

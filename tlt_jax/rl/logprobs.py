@@ -131,15 +131,17 @@ def chunked_token_logprobs(model, hidden: jax.Array, targets: jax.Array, tempera
 
 
 def sequence_logprobs(
-    model, input_ids: jax.Array, attention_mask: jax.Array, temperature: float = 1.0
+    model, input_ids: jax.Array, attention_mask: jax.Array, temperature: float = 1.0, layer_grads_into=None
 ) -> tuple[jax.Array, jax.Array]:
     """``(logp, entropy)`` [B, T] of every token given its prefix; position 0 and padding are 0.
 
-    ``entropy[:, t]`` is the entropy of the distribution that predicted token t.
+    ``entropy[:, t]`` is the entropy of the distribution that predicted token t. ``layer_grads_into``: the model's
+    (``CausalLM.__call__``), a gradient accumulator for the stacked layers.
     """
     b, t = input_ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    hidden = model(input_ids, positions=positions, attention_mask=attention_mask, return_logits=False).hidden
+    hidden = model(input_ids, positions=positions, attention_mask=attention_mask, return_logits=False,
+                   layer_grads_into=layer_grads_into).hidden
     logp, ent = chunked_token_logprobs(model, hidden[:, :-1], input_ids[:, 1:], temperature)
     valid = attention_mask[:, 1:].astype(jnp.float32)
     pad = jnp.zeros((b, 1), jnp.float32)

@@ -137,9 +137,10 @@ def _micro_weight(mode: str, mask: jax.Array, total_tokens: jax.Array, total_row
     raise ValueError(f"unknown loss aggregation mode {mode!r}")
 
 
-def _micro_loss(params, rest, graphdef, cfg: LossConfig, micro: dict, weight: jax.Array):
+def _micro_loss(params, rest, graphdef, cfg: LossConfig, micro: dict, weight: jax.Array, layer_grads_into=None):
     model = nnx.merge(graphdef, params, rest)
-    logp, entropy = sequence_logprobs(model, micro["input_ids"], micro["attention_mask"], cfg.temperature)
+    logp, entropy = sequence_logprobs(
+        model, micro["input_ids"], micro["attention_mask"], cfg.temperature, layer_grads_into=layer_grads_into)
     mask = micro["response_mask"]
     old = jax.lax.stop_gradient(logp) if cfg.on_policy else micro["old_logp"]
     loss, m = grpo_loss(
@@ -186,15 +187,24 @@ def train_step(
     like_params = (lambda t: t) if param_sharding is None else (
         lambda t: jax.lax.with_sharding_constraint(t, param_sharding))
 
+    # A rematerialised model adds its layers' gradients into the accumulator in the backward pass (one gradient
+    # buffer, not the accumulator beside each micro-batch's gradients; the sums are the same); the other
+    # parameters' gradients (embedding, final norm, LM head) are added here.
+    in_place = nnx.merge(graphdef, state.params, rest).remat
+
+    def add(path, acc, g):
+        return g if in_place and path[0] == jax.tree_util.DictKey("layers") else acc + g
+
     def body(carry, micro):
         grads, loss, metrics = carry
         micro = {**micro, "response_mask": micro["response_mask"].astype(jnp.float32)}
         w = _micro_weight(cfg.agg_mode, micro["response_mask"], total_tokens, total_rows)
-        (lm, m), g = grad_fn(state.params, rest, graphdef, cfg, micro, w * batch["loss_scale"])
+        into = grads["layers"] if in_place else None
+        (lm, m), g = grad_fn(state.params, rest, graphdef, cfg, micro, w * batch["loss_scale"], into)
         # Metrics are averaged with token weights (they are per-token quantities).
         tw = jnp.sum(micro["response_mask"]) / jnp.maximum(total_tokens, 1.0)
         metrics = jax.tree.map(lambda a, b: a + tw * b, metrics, m)
-        return (like_params(jax.tree.map(jnp.add, grads, like_params(g))), loss + lm, metrics), None
+        return (like_params(jax.tree_util.tree_map_with_path(add, grads, like_params(g))), loss + lm, metrics), None
 
     zeros = like_params(jax.tree.map(jnp.zeros_like, state.params))
     zero_metrics = {k: jnp.zeros((), jnp.float32) for k in ("clip_frac", "approx_kl", "pg_loss", "entropy")}
