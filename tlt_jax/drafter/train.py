@@ -48,8 +48,9 @@ class DrafterLossConfig:
     unroll: int = 1  # training-time test: passes fed with the drafter's own features
     unroll_decay: float = 0.8
     # Positions per LM-head chunk of the token loss: target and drafter logits [B, chunk, V] exist one chunk at a time
-    # (recomputed in the backward pass), not [B, T, V] whole (SmolLM2's V = 49152 at 4 x 256 positions: the step's
-    # temporaries 1.10 GB -> tlt_jax.plan's "drafter" row). 0: the whole row at once.
+    # (recomputed in the backward pass), not [B, T, V] whole. SmolLM2 (V = 49152), 4 x 256 positions: the step's
+    # temporaries are 1.10 GB whole, 0.26 GB in chunks of 64 (the "drafter" row of
+    # python -m tlt_jax.plan --config=configs/gsm8k.py --devices=1 --backend=cpu). 0: the whole row at once.
     logit_chunk: int = 64
 
 
