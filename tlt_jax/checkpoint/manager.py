@@ -183,7 +183,7 @@ class Restored:
 
 
 # Bytes a save may buffer at once, at least (save_in_flight_bytes). tests/test_checkpoint.py prints what a save adds
-# to the process while it writes: 0.6-0.9 x the state with orbax's default, at most 0.3 x with a limit of 1/16 of it.
+# to the process while it writes: 0.6-0.9 x the state with orbax's default, 0.0-0.4 x with a limit of 1/16 of it.
 SAVE_IN_FLIGHT_FLOOR = 256 * 2**20
 
 
