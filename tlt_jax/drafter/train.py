@@ -48,9 +48,9 @@ class DrafterLossConfig:
     unroll: int = 1  # training-time test: passes fed with the drafter's own features
     unroll_decay: float = 0.8
     # Positions per LM-head chunk of the token loss: target and drafter logits [B, chunk, V] exist one chunk at a time
-    # (recomputed in the backward pass), not [B, T, V] whole. SmolLM2 (V = 49152), 4 x 256 positions: the step's
-    # temporaries are 1.10 GB whole, 0.26 GB in chunks of 64 (the "drafter" row of
-    # python -m tlt_jax.plan --config=configs/gsm8k.py --devices=1 --backend=cpu). 0: the whole row at once.
+    # (each chunk's gradient made in the forward pass, nothing recomputed), not [B, T, V] whole. SmolLM2 (V = 49152),
+    # 4 x 256 positions: the step's temporaries are 1.10 GB whole, 0.36 GB in chunks of 64, at the same CPU time per
+    # step (0.98x, A/A 0.99x; python benchmarks/drafter_step.py). 0: the whole row at once.
     logit_chunk: int = 64
 
 
@@ -138,22 +138,38 @@ def smooth_l1(x: jax.Array) -> jax.Array:
 
 def token_loss_sums(head, targets: jax.Array, h_hat: jax.Array, mask: jax.Array, chunk: int = 0):
     """(sum of the masked cross-entropies CE(softmax(head(targets)), log_softmax(head(h_hat))), count of masked
-    positions whose top-1 tokens agree) over [B, T] positions, ``chunk`` positions at a time (0: all at once)."""
+    positions whose top-1 tokens agree) over [B, T] positions, ``chunk`` positions at a time (0: all at once).
 
-    def sums(tg, hh, m):
+    In chunks, each chunk's gradient with respect to ``h_hat`` (head's VJP of (q - p) * mask) is computed in the
+    forward pass beside its loss, so [B, chunk, V] logits never outlive their chunk and nothing is recomputed: the
+    same three LM-head matmuls as whole rows. Only ``h_hat`` receives a gradient: ``head`` and ``targets`` are
+    treated as constants (the drafter's frozen policy head and its feature targets)."""
+
+    def terms(tg, z, m):  # target probabilities p and log q from the drafter's logits z; the two sums
         tgt = jax.nn.softmax(head(tg).astype(jnp.float32), axis=-1)
-        logq = jax.nn.log_softmax(head(hh).astype(jnp.float32), axis=-1)
+        logq = jax.nn.log_softmax(z.astype(jnp.float32), axis=-1)
         hit = jnp.argmax(logq, -1) == jnp.argmax(tgt, -1)
-        return (-(tgt * logq).sum(-1) * m).sum(), (hit * m).sum()
+        return (-(tgt * logq).sum(-1) * m).sum(), (hit * m).sum(), tgt, logq
+
+    def sums_and_grad(xs):
+        tg, hh, m = xs
+        z, head_vjp = jax.vjp(head, hh)
+        cross, hits, tgt, logq = terms(tg, z, m)
+        # d/dz of -sum(p * log_softmax(z)) * m is (softmax(z) * sum(p) - p) * m, and sum(p) = 1.
+        return cross, hits, head_vjp(((jnp.exp(logq) - tgt) * m[..., None]).astype(z.dtype))[0]
 
     b, t = mask.shape
     if chunk <= 0 or t <= chunk:
-        return sums(targets, h_hat, mask)
+        return terms(targets, head(h_hat), mask)[:2]
     n = -(-t // chunk)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     split = lambda x: jnp.swapaxes(pad(x).reshape(b, n, chunk, *x.shape[2:]), 0, 1)  # noqa: E731
-    cross, hits = jax.lax.map(lambda xs: jax.checkpoint(sums)(*xs), (split(targets), split(h_hat), split(mask)))
-    return cross.sum(), hits.sum()
+    consts = jax.lax.stop_gradient((targets, h_hat, mask))
+    cross, hits, grad = jax.lax.map(sums_and_grad, tuple(split(x) for x in consts))
+    grad = jax.lax.stop_gradient(jnp.swapaxes(grad, 0, 1).reshape(b, n * chunk, -1)[:, :t])
+    # The value is cross's; the gradient with respect to h_hat is ``grad`` (a linear term that is zero in value).
+    linear = (h_hat * grad).sum()
+    return jax.lax.stop_gradient(cross.sum()) + (linear - jax.lax.stop_gradient(linear)), hits.sum()
 
 
 def drafter_loss(drafter, policy, batch: DrafterBatch, cfg: DrafterLossConfig = DrafterLossConfig(), key=None):
