@@ -1,15 +1,19 @@
-"""Gradient accumulation in place (models/grad_accumulation.py): the layers' gradients added into an accumulator in the
-backward pass equal the accumulator plus plain autodiff's gradients, and the accumulation holds one gradient buffer."""
+"""Gradient accumulation in place (models/grad_accumulation.py, the LM head's in rl/logprobs.py): the layers' and the
+LM head's gradients added into an accumulator in the backward pass equal the accumulator plus plain autodiff's
+gradients, and the accumulation holds one gradient buffer; gradient clipping without a clipped copy."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from tlt_jax.config import OptimConfig
 from tlt_jax.models import CausalLM, tiny_config
-from tlt_jax.rl.train_step import LossConfig, init_train_state, make_optimizer, make_train_step
+from tlt_jax.rl import logprobs
+from tlt_jax.rl.logprobs import chunked_token_logprobs
+from tlt_jax.rl.train_step import LossConfig, clip_by_global_norm, init_train_state, make_optimizer, make_train_step
 
 B, T = 4, 24
 
@@ -120,3 +124,92 @@ def test_grads_into_rejects_a_cached_or_unstacked_forward():
     model.layers = unstack_layers(model.layers, model.config.num_layers)
     with pytest.raises(ValueError, match="grads_into goes with a training forward"):
         model(ids, layer_grads_into=params["layers"])
+
+
+def _head_loss(graphdef, rest, targets, weights):
+    """A loss that reads both outputs of the chunked LM head: sum(a * logp) + sum(b * entropy)."""
+
+    def loss(params, hidden, into=None):
+        model = nnx.merge(graphdef, params, rest)
+        logp, ent = chunked_token_logprobs(model, hidden, targets, 0.8, chunk=16, head_grad_into=into)
+        return jnp.sum(weights[0] * logp) + jnp.sum(weights[1] * ent), (logp, ent)
+
+    return loss
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_head_gradient_is_added_into_the_accumulator(monkeypatch, tied):
+    """head_grad_into = A: the same log-probs and entropies; the LM head parameter's gradient is A + the plain one
+    (a written-out logits cotangent and a weight gradient in row blocks, 300 = 128 + 128 + 44: float32 rounding
+    apart), the hidden states' gradient the plain one."""
+    monkeypatch.setattr(logprobs, "HEAD_GRAD_BLOCK", 128)
+    cfg = tiny_config(vocab_size=300, tie_word_embeddings=tied)
+    graphdef, params, rest = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(4)), nnx.Param, ...)
+    key = "embed_tokens" if tied else "lm_head"
+    rng = np.random.default_rng(5)
+    hidden = jnp.asarray(rng.normal(size=(2, 37, cfg.hidden_size)), jnp.float32)  # 3 chunks, the last padded
+    targets = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 37)), jnp.int32)
+    weights = jnp.asarray(rng.normal(size=(2, 2, 37)), jnp.float32)
+    acc = jnp.asarray(rng.normal(size=params[key].shape), jnp.float32)
+    grad = jax.jit(jax.grad(_head_loss(graphdef, rest, targets, weights), argnums=(0, 1), has_aux=True))
+    (plain_p, plain_h), plain_out = grad(params, hidden)
+    (into_p, into_h), into_out = grad(params, hidden, acc)
+    for a, b in zip(plain_out, into_out, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(into_p[key][...]), np.asarray(acc + plain_p[key][...]), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(into_h), np.asarray(plain_h), rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(plain_p[key][...]).max()) > 1e-3  # the head has a gradient to add
+
+
+def test_head_accumulation_holds_no_second_weight_gradient(monkeypatch):
+    """An accumulator plus one micro-batch's LM head gradient (4 chunks): in place, the compiled program's temporaries
+    are smaller by more than the head weight's bytes (no per-chunk [V, E] product, no second [V, E] sum)."""
+    monkeypatch.setattr(logprobs, "HEAD_GRAD_BLOCK", 1024)
+    cfg = tiny_config(vocab_size=8192, hidden_size=256, tie_word_embeddings=True)
+    graphdef, params, rest = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(4)), nnx.Param, ...)
+    hidden = jnp.ones((2, 64, cfg.hidden_size), jnp.float32)
+    loss = _head_loss(graphdef, rest, jnp.ones((2, 64), jnp.int32), jnp.ones((2, 2, 64), jnp.float32))
+    grad = jax.grad(loss, has_aux=True)
+
+    def plain(params, acc):
+        return acc + grad(params, hidden)[0]["embed_tokens"][...]
+
+    def in_place(params, acc):
+        return grad(params, hidden, acc)[0]["embed_tokens"][...]
+
+    acc = jnp.zeros(params["embed_tokens"].shape, jnp.float32)
+    temps = [jax.jit(f, donate_argnums=1).lower(params, acc).compile().memory_analysis().temp_size_in_bytes
+             for f in (plain, in_place)]  # the accumulator donated, as a scan's carry is
+    assert temps[0] - temps[1] > acc.nbytes, (temps, acc.nbytes)
+
+
+def test_clip_by_global_norm_matches_optax_without_a_clipped_copy():
+    """The clipping multiplies by one factor: optax's result up to rounding when it clips, bitwise when it does not,
+    the same (empty) state; Adam on clipped gradients compiles without a gradient-sized copy."""
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.asarray(rng.normal(size=(512, 1024)), jnp.float32), "b": jnp.zeros((1024,), jnp.float32)}
+    grads = {"a": jnp.asarray(rng.normal(size=(512, 1024)), jnp.float32), "b": jnp.ones((1024,), jnp.float32)}
+    for max_norm in (1.0, 1e4):  # clips, does not
+        ours, theirs = clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm)
+        assert jax.tree.structure(ours.init(params)) == jax.tree.structure(theirs.init(params))
+        a, b = ours.update(grads, ours.init(params))[0], theirs.update(grads, theirs.init(params))[0]
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            if max_norm > 1:
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            else:
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
+
+    def temps(clip):
+        tx = optax.chain(clip(1.0), optax.adamw(1e-3))
+        state = tx.init(params)
+
+        def step(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert temps(optax.clip_by_global_norm) - temps(clip_by_global_norm) > 0.8 * param_bytes

@@ -72,7 +72,8 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1
 LOGIT_CHUNK = 128
 
 
-def vocab_parallel_head(model) -> tuple[jax.Array, NamedSharding, NamedSharding] | None:
+def vocab_parallel_head(model, weight: jax.Array | None = None
+                        ) -> tuple[jax.Array, NamedSharding, NamedSharding] | None:
     """Inside a sharded trace: (the LM head's weight split by vocabulary over every mesh axis of "batch" and
     "vocab", the sharding that makes a chunk's hidden states whole on every device, its logits' sharding: split by
     vocabulary); None outside one, or when those axes do not divide the vocabulary.
@@ -82,7 +83,8 @@ def vocab_parallel_head(model) -> tuple[jax.Array, NamedSharding, NamedSharding]
     positions. Split by vocabulary instead (one all-to-all of the weight per call), each device computes every row's
     logits over its share of the vocabulary from the chunk's hidden states (a few MB, gathered): its share of the
     weight gradient is local, and only the hidden states' gradient is summed over devices. Log-softmax and entropy
-    then sum over the split vocabulary (the same values, summed in another order)."""
+    then sum over the split vocabulary (the same values, summed in another order). ``weight``: the LM head's
+    parameter as stored, default ``model.lm_head_weight()``."""
     ctx = activation_context()
     if ctx is None:
         return None
@@ -95,54 +97,151 @@ def vocab_parallel_head(model) -> tuple[jax.Array, NamedSharding, NamedSharding]
         return None
     vocab = axes[0] if len(axes) == 1 else tuple(axes)
     spec = PartitionSpec(vocab, None) if model.lm_head is None else PartitionSpec(None, vocab)  # tied: [V, E]
-    weight = jax.lax.with_sharding_constraint(model.lm_head_weight(), NamedSharding(mesh, spec))
+    weight = model.lm_head_weight() if weight is None else weight
+    weight = jax.lax.with_sharding_constraint(weight, NamedSharding(mesh, spec))
     return weight, NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(None, None, vocab))
 
 
 def chunked_token_logprobs(model, hidden: jax.Array, targets: jax.Array, temperature: float = 1.0,
-                           chunk: int = LOGIT_CHUNK) -> tuple[jax.Array, jax.Array]:
+                           chunk: int = LOGIT_CHUNK, head_grad_into: jax.Array | None = None
+                           ) -> tuple[jax.Array, jax.Array]:
     """:func:`token_logprobs` of ``model.logits_from_hidden(hidden)`` [B, T, H], ``chunk`` positions at a time.
 
     Inside a sharded trace (``activation_sharding``) the LM head runs vocabulary-parallel (:func:`vocab_parallel_head`).
+    ``head_grad_into`` (training): a gradient accumulator for the LM head's parameter as stored (the tied embedding or
+    ``lm_head``). Differentiated, that parameter's cotangent from the head is the accumulator plus this call's
+    gradient; outside a vocabulary-parallel trace the sum is made in place (:func:`_head_logprobs_into`).
     """
     b, t, h = hidden.shape
-    split = vocab_parallel_head(model)
+    weight = None
+    if head_grad_into is not None:
+        weight = _plus_into(model.lm_head_weight(), head_grad_into)
+    split = vocab_parallel_head(model, weight)
+    n = -(-t // chunk) if t > chunk else 1
+    size = chunk if t > chunk else t
+    pad = n * size - t
+    hs = jnp.swapaxes(jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, size, h), 0, 1)
+    ts = jnp.swapaxes(jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, size), 0, 1)
+
+    def unchunk(x):
+        return jnp.swapaxes(x, 0, 1).reshape(b, n * size)[:, :t]
+
+    if head_grad_into is not None and split is None:
+        logp, ent = _head_logprobs_into(model, hs, ts, temperature, head_grad_into)
+        return unchunk(logp), unchunk(ent)
 
     def chunk_logprobs(hc, tc):
         if split is None:
-            return token_logprobs(model.logits_from_hidden(hc), tc, temperature)
-        weight, rows, logits_sharding = split
-        logits = model.logits_from_hidden(jax.lax.with_sharding_constraint(hc, rows), weight)
+            return token_logprobs(model.logits_from_hidden(hc, weight), tc, temperature)
+        w, rows, logits_sharding = split
+        logits = model.logits_from_hidden(jax.lax.with_sharding_constraint(hc, rows), w)
         return token_logprobs(jax.lax.with_sharding_constraint(logits, logits_sharding), tc, temperature, select=True)
 
-    if t <= chunk:
+    if n == 1:
         return chunk_logprobs(hidden, targets)
-    n = -(-t // chunk)
-    pad = n * chunk - t
-    hs = jnp.swapaxes(jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h), 0, 1)
-    ts = jnp.swapaxes(jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk), 0, 1)
     one = jax.checkpoint(chunk_logprobs)
     logp, ent = jax.lax.map(lambda xs: one(*xs), (hs, ts))
-
-    def unchunk(x):
-        return jnp.swapaxes(x, 0, 1).reshape(b, n * chunk)[:, :t]
-
     return unchunk(logp), unchunk(ent)
 
 
+@jax.custom_vjp
+def _plus_into(weight: jax.Array, acc: jax.Array) -> jax.Array:
+    """``weight`` itself; differentiated, its cotangent plus ``acc`` (which gets none)."""
+    return weight
+
+
+_plus_into.defvjp(lambda w, acc: (w, acc), lambda acc, ct: (ct + acc, None))
+
+# Rows (vocabulary entries) of the LM head's gradient formed at a time in :func:`_head_logprobs_into`'s backward pass:
+# a [block, E] product added into the accumulator, not a whole [V, E] one beside it.
+HEAD_GRAD_BLOCK = 8192
+
+
+def _logit_cotangent(z: jax.Array, targets: jax.Array, temperature: float, g_logp: jax.Array,
+                     g_ent: jax.Array) -> jax.Array:
+    """The cotangent of the logits ``z`` [..., V] for :func:`token_logprobs` (cotangents ``g_logp``, ``g_ent``),
+    written out so one [..., V] buffer is formed: with p = softmax(z / τ), d logp / dz = (onehot - p) / τ and
+    d entropy / dz = -p (log p + entropy) / τ."""
+    y = z.astype(jnp.float32) / temperature
+    lse = jax.nn.logsumexp(y, axis=-1, keepdims=True)
+    p = jnp.exp(y - lse)
+    ent = -jnp.sum(p * (y - lse), axis=-1, keepdims=True)
+    hit = targets[..., None].astype(jnp.int32) == jnp.arange(z.shape[-1], dtype=jnp.int32)
+    dz = g_logp[..., None] * (hit - p) - g_ent[..., None] * p * (y - lse + ent)
+    return (dz / temperature).astype(z.dtype)
+
+
+def _add_head_grad(acc: jax.Array, dz: jax.Array, h: jax.Array, tied: bool) -> jax.Array:
+    """``acc`` plus the LM head's gradient for logits cotangent ``dz`` [..., V] at hidden states ``h`` [..., E],
+    HEAD_GRAD_BLOCK vocabulary entries at a time in a loop (so one block's product exists at once), each added into
+    ``acc`` in place ([V, E] tied, [E, V] otherwise)."""
+    v = dz.shape[-1]
+    dz, h = dz.reshape(-1, v), h.reshape(-1, h.shape[-1])
+    block, axis = min(HEAD_GRAD_BLOCK, v), 0 if tied else 1
+
+    def add(acc, start, size):
+        d = jax.lax.dynamic_slice_in_dim(dz, start, size, axis=1)
+        g = (d.T @ h if tied else h.T @ d).astype(acc.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(
+            acc, jax.lax.dynamic_slice_in_dim(acc, start, size, axis) + g, start, axis)
+
+    acc = jax.lax.fori_loop(0, v // block, lambda i, acc: add(acc, i * block, block), acc)
+    return add(acc, v - v % block, v % block) if v % block else acc
+
+
+def _head_logprobs_into(model, hs: jax.Array, ts: jax.Array, temperature: float, acc: jax.Array):
+    """(logp, entropy) [n, B, c] of the chunks ``hs`` [n, B, c, E] / ``ts`` [n, B, c]; differentiated, the LM head
+    parameter's cotangent is ``acc`` plus this call's gradient, summed in place.
+
+    Under autodiff each chunk's weight gradient is a fresh [V, E] product, summed over the chunks into a second [V, E]
+    buffer and only then into the accumulator (two weight-sized buffers beside it). Here a ``custom_vjp`` scans the
+    chunks in reverse carrying the accumulator: each chunk's logits are recomputed (as ``jax.checkpoint`` would), its
+    logits cotangent formed in one pass (:func:`_logit_cotangent`) and its weight gradient added into the accumulator
+    a block of rows at a time."""
+    tied = model.lm_head is None
+
+    def chunk(w, h, t):
+        return token_logprobs(model.logits_from_hidden(h, w), t, temperature)
+
+    @jax.custom_vjp
+    def run(w, acc, hs, ts):
+        return jax.lax.map(lambda x: chunk(w, *x), (hs, ts))
+
+    def fwd(w, acc, hs, ts):
+        return run(w, acc, hs, ts), (w, acc, hs, ts)
+
+    def bwd(res, ct):
+        w, acc, hs, ts = res
+
+        def body(acc, xs):
+            h, t, g_logp, g_ent = xs
+            z, head_vjp = jax.vjp(lambda h: model.logits_from_hidden(h, w), h)
+            dz = _logit_cotangent(z, t, temperature, g_logp, g_ent)
+            return _add_head_grad(acc, dz, h, tied), head_vjp(dz)[0]
+
+        acc, dhs = jax.lax.scan(body, acc, (hs, ts, *ct), reverse=True)
+        return acc, None, dhs, None
+
+    run.defvjp(fwd, bwd)
+    return run(model.lm_head_weight(), acc, hs, ts)
+
+
 def sequence_logprobs(
-    model, input_ids: jax.Array, attention_mask: jax.Array, temperature: float = 1.0, layer_grads_into=None
+    model, input_ids: jax.Array, attention_mask: jax.Array, temperature: float = 1.0, layer_grads_into=None,
+    head_grad_into: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(logp, entropy)`` [B, T] of every token given its prefix; position 0 and padding are 0.
 
     ``entropy[:, t]`` is the entropy of the distribution that predicted token t. ``layer_grads_into``: the model's
-    (``CausalLM.__call__``), a gradient accumulator for the stacked layers.
+    (``CausalLM.__call__``), a gradient accumulator for the stacked layers; ``head_grad_into``: one for the LM head's
+    parameter (:func:`chunked_token_logprobs`).
     """
     b, t = input_ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     hidden = model(input_ids, positions=positions, attention_mask=attention_mask, return_logits=False,
                    layer_grads_into=layer_grads_into).hidden
-    logp, ent = chunked_token_logprobs(model, hidden[:, :-1], input_ids[:, 1:], temperature)
+    logp, ent = chunked_token_logprobs(model, hidden[:, :-1], input_ids[:, 1:], temperature,
+                                       head_grad_into=head_grad_into)
     valid = attention_mask[:, 1:].astype(jnp.float32)
     pad = jnp.zeros((b, 1), jnp.float32)
     return jnp.concatenate([pad, logp * valid], axis=1), jnp.concatenate([pad, ent * valid], axis=1)
