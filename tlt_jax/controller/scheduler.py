@@ -7,6 +7,7 @@ under scripted timings (``simulate``, used by tests and pod simulations):
   when there is data from the previous step).
 - ``rollout_done(s)``: s becomes idle; while some slice is still busy and at least ``min_idle_slices`` slices are
   idle (and there is data), every idle slice is dispatched to train.
+- ``score_done(s)``: s, dispatched, first scored the drafter: it starts its steps if a slice is still busy.
 - ``train_step_done(s)``: s trains on while a slice is busy; once none is, it stops (an in-flight drafter step
   always finishes, so nothing waits longer than one drafter step). ``steps_without_idle`` = N > 0: after the last
   rollout ends, slice 0 trains N more steps (the single-slice path, where no slice is ever idle mid-rollout).
@@ -130,6 +131,21 @@ class SliceScheduler:
             raise ValueError(f"train_step_done: slice {s} is {self.state[s]}, not training")
         self._tick(t)
         self.train_steps[s] += 1
+        if self.busy():
+            return True
+        if s == 0 and self.extra > 0:
+            self.extra -= 1
+            return True
+        self._set(s, IDLE, t)
+        return False
+
+    def score_done(self, s: int, t: float) -> bool:
+        """s, dispatched to train, first scored the drafter (held out) and has started no step; that ended at t. True:
+        start its first step now (a slice still decodes, or steps_without_idle steps remain for slice 0); False: the
+        rollout ended meanwhile, s is idle."""
+        if self.state[s] != TRAINING:
+            raise ValueError(f"score_done: slice {s} is {self.state[s]}, not training")
+        self._tick(t)
         if self.busy():
             return True
         if s == 0 and self.extra > 0:
