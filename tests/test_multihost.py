@@ -239,10 +239,18 @@ steps, sums = merger.read(meta)
 both, _ = merger({me: state}, {me: True}, {me: 1}, {})
 exchanged = [np.asarray(avg[me]["p"]).tolist(), int(avg[me]["count"]), avg[me]["p"].sharding.mesh == slices[me],
              steps, sums, float(np.asarray(both[me]["p"])[0, 0])]
+# a train state on a mesh over both processes (one device each): its counters list their shards, and the bound of a
+# checkpoint's writes is the largest shard (4 x 2 float32 = 32 bytes per process, under the floor)
+import optax
+from tlt_jax.checkpoint import save_in_flight_bytes
+from tlt_jax.rl.train_step import init_train_state
+state = init_train_state({"w": jax.device_put(np.ones((8, 2), np.float32),
+                                              NamedSharding(make_mesh(), PartitionSpec("data")))}, optax.adam(1e-3))
+counters = [len(state.step.addressable_shards), int(state.step), save_in_flight_bytes(state, floor=0)]
 print("RESULT " + json.dumps(dict(
     me=me, batch=batch == whole, mine=seen, scores=out.scores.tolist(), info=out.info,
     host=to_host(x * 2).tolist(), reduced=reduced, diverged=diverged, agreed=agreed, alone=alone, exact=exact,
-    posted=posted, local_copy=local_copy, exchanged=exchanged)), flush=True)
+    posted=posted, local_copy=local_copy, exchanged=exchanged, counters=counters)), flush=True)
 """
 
 
@@ -281,6 +289,7 @@ def test_host_collectives_on_two_processes():
     # count and metric sums
     assert r0["posted"] == r1["posted"] == ["0", "1", [True, False]]  # a key seen by keys() and wait()
     assert r0["local_copy"] == r1["local_copy"] == [True, np.arange(12.0).reshape(6, 2).tolist(), 3]
+    assert r0["counters"] == r1["counters"] == [1, 0, 32 + 2**20]  # init_train_state across processes
     assert r0["exchanged"] == r1["exchanged"] == [np.full((2, 3), 1.5).tolist(), 5, True, {"1": 4},
                                                   {"1": [2.0, 0.5]}, 1.0]
 

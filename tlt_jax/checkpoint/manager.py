@@ -24,6 +24,7 @@ import errno
 import glob
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -190,8 +191,8 @@ SAVE_IN_FLIGHT_FLOOR = 256 * 2**20
 def save_in_flight_bytes(*trees: Any, floor: int = SAVE_IN_FLIGHT_FLOOR) -> int:
     """Checkpointer's ``in_flight_bytes`` for saves of ``trees``: ``floor``, or more than the largest array shard
     this process holds (orbax's limiter refuses a shard larger than its limit)."""
-    shards = [s.data.nbytes for t in trees for x in jax.tree.leaves(t) if isinstance(x, jax.Array)
-              for s in x.addressable_shards]
+    shards = [math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+              for t in trees for x in jax.tree.leaves(t) if isinstance(x, jax.Array)]
     return max(floor, max(shards, default=0) + 2**20)
 
 

@@ -125,8 +125,10 @@ def init_train_state(params: nnx.State, tx: optax.GradientTransformation) -> Tra
         return TrainState(params, jax.jit(tx.init)(params), step, skipped)
     _, out, replicated = optimizer_shardings(params, tx)
     opt_state = jax.jit(tx.init, out_shardings=out)(params)
-    step, skipped = jax.device_put((step, skipped), replicated)
-    return TrainState(params, opt_state, step, skipped)
+    # Made by a program, not device_put: across processes with one device each, device_put of a host scalar to the
+    # replicated sharding gave arrays whose shards cannot be listed (addressable_shards raised).
+    counters = jax.jit(lambda: (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)), out_shardings=(replicated,) * 2)
+    return TrainState(params, opt_state, *counters())
 
 
 def optimizer_shardings(params: nnx.State, tx: optax.GradientTransformation) -> tuple[Any, Any, NamedSharding]:
