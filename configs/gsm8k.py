@@ -67,8 +67,10 @@ def get_config():
     c.model.remat = True
     c.optim.lr = 2e-5
     c.rl.kl_coef = 0.0  # no reference forward pass (as Dr. GRPO / DAPO); TLT's recipe uses 0.001
-    # Held-out prompts decoded 16 at a time: a batch of 32 holds a 0.9 GB KV cache at the 640-token bucket, which
-    # set the run's peak memory in the final evaluation (issue 42).
+    # Held-out prompts decoded 16 at a time: a batch of 32 holds a 0.94 GB KV cache at the 640-token bucket (30 layers
+    # x keys and values x 32 x 640 x 3 heads x 64 float32), which set the run's peak memory in the final evaluation
+    # (issue 42). The evaluations take longer: 117 s against 95 s over the run's four
+    # (benchmarks/results/default_run_gsm8k_peak_rss.json).
     c.eval.batch_size = 16
     c.checkpoint.every_steps = 4
     c.train.num_steps = 12
