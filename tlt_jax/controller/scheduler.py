@@ -127,25 +127,19 @@ class SliceScheduler:
 
     def train_step_done(self, s: int, t: float) -> bool:
         """A drafter step on s ended at t. True: start another one on s; False: s is idle now."""
-        if self.state[s] != TRAINING:
-            raise ValueError(f"train_step_done: slice {s} is {self.state[s]}, not training")
-        self._tick(t)
-        self.train_steps[s] += 1
-        if self.busy():
-            return True
-        if s == 0 and self.extra > 0:
-            self.extra -= 1
-            return True
-        self._set(s, IDLE, t)
-        return False
+        return self._go_on(s, t, "train_step_done", step=True)
 
     def score_done(self, s: int, t: float) -> bool:
         """s, dispatched to train, first scored the drafter (held out) and has started no step; that ended at t. True:
         start its first step now (a slice still decodes, or steps_without_idle steps remain for slice 0); False: the
         rollout ended meanwhile, s is idle."""
+        return self._go_on(s, t, "score_done", step=False)
+
+    def _go_on(self, s: int, t: float, event: str, step: bool) -> bool:
         if self.state[s] != TRAINING:
-            raise ValueError(f"score_done: slice {s} is {self.state[s]}, not training")
+            raise ValueError(f"{event}: slice {s} is {self.state[s]}, not training")
         self._tick(t)
+        self.train_steps[s] += int(step)
         if self.busy():
             return True
         if s == 0 and self.extra > 0:
