@@ -4,9 +4,9 @@
 on the calling thread (the only thread that touches the state machine and the data buffer): a finished shard's
 captured hidden states go into the buffer and the scheduler decides whether that slice (and other idle ones) start
 drafter steps (the first slice to finish while others decode first scores the current drafter on the step's
-responses, held out since it never trained on them, and starts its steps once that score is made, only if some slice
-still decodes); a finished drafter step is followed by another one while any slice is still decoding. Batches are
-packed here, before a step is handed to the slice's thread, so they depend only on the dispatch order. At the end
+responses, held out since it never trained on them); a finished drafter step is followed by another one while any
+slice is still decoding. Batches are packed here, before a step is handed to the slice's thread, so they depend only
+on the dispatch order. At the end
 the spot trainer averages its replicas, the timeline is appended to ``timeline.jsonl`` and the merged rollout
 result comes back in the original prompt order with per-step metrics.
 """
@@ -111,7 +111,6 @@ class Controller:
         local = [0] * self.rollout.num_slices
         inflight: set[concurrent.futures.Future] = set()
         swaps, evaluated = 0, False
-        after_score: set[int] = set()  # slices whose first drafter step waits for their held-out score
 
         def submit(kind: str, s: int, fn, *args) -> None:
             fut = self.rollout.workers[s].submit(fn, *args)
@@ -166,17 +165,7 @@ class Controller:
                     submit("heldout", s, self.trainer.evaluate, s, heldout)
                     evaluated = True
                 ready = training and self.buffer.ready()
-                starts = sched.rollout_done(s, t, can_train=ready)
-                if heldout is not None and s in starts and sched.busy():
-                    # Others still decode: s's first drafter step waits for its score, so a rollout that ends
-                    # meanwhile finds no step queued behind it (preemption within the score, not score + step).
-                    starts.remove(s)
-                    after_score.add(s)
-                dispatch(starts)
-            elif kind == "heldout" and s in after_score:
-                after_score.discard(s)
-                if sched.score_done(s, t):  # else the rollout ended during the score: no step
-                    dispatch([s])
+                dispatch(sched.rollout_done(s, t, can_train=ready))
             elif kind == "train":
                 busy = [b for b in sched.busy() if b in self.rollout.engines] if self.cfg.hot_swap else []
                 if busy:  # engines read their drafter at every chunk: the swap lands at the next chunk boundary

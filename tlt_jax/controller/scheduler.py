@@ -7,7 +7,6 @@ under scripted timings (``simulate``, used by tests and pod simulations):
   when there is data from the previous step).
 - ``rollout_done(s)``: s becomes idle; while some slice is still busy and at least ``min_idle_slices`` slices are
   idle (and there is data), every idle slice is dispatched to train.
-- ``score_done(s)``: s, dispatched, first scored the drafter: it starts its steps if a slice is still busy.
 - ``train_step_done(s)``: s trains on while a slice is busy; once none is, it stops (an in-flight drafter step
   always finishes, so nothing waits longer than one drafter step). ``steps_without_idle`` = N > 0: after the last
   rollout ends, slice 0 trains N more steps (the single-slice path, where no slice is ever idle mid-rollout).
@@ -127,19 +126,10 @@ class SliceScheduler:
 
     def train_step_done(self, s: int, t: float) -> bool:
         """A drafter step on s ended at t. True: start another one on s; False: s is idle now."""
-        return self._go_on(s, t, "train_step_done", step=True)
-
-    def score_done(self, s: int, t: float) -> bool:
-        """s, dispatched to train, first scored the drafter (held out) and has started no step; that ended at t. True:
-        start its first step now (a slice still decodes, or steps_without_idle steps remain for slice 0); False: the
-        rollout ended meanwhile, s is idle."""
-        return self._go_on(s, t, "score_done", step=False)
-
-    def _go_on(self, s: int, t: float, event: str, step: bool) -> bool:
         if self.state[s] != TRAINING:
-            raise ValueError(f"{event}: slice {s} is {self.state[s]}, not training")
+            raise ValueError(f"train_step_done: slice {s} is {self.state[s]}, not training")
         self._tick(t)
-        self.train_steps[s] += int(step)
+        self.train_steps[s] += 1
         if self.busy():
             return True
         if s == 0 and self.extra > 0:
