@@ -113,9 +113,8 @@ def chunked_token_logprobs(model, hidden: jax.Array, targets: jax.Array, tempera
     gradient; outside a vocabulary-parallel trace the sum is made in place (:func:`_head_logprobs_into`).
     """
     b, t, h = hidden.shape
-    weight = None
-    if head_grad_into is not None:
-        weight = _plus_into(model.lm_head_weight(), head_grad_into)
+    # Vocabulary-parallel, the accumulator joins the head's cotangent through _plus_into; else _head_logprobs_into.
+    weight = None if head_grad_into is None else _plus_into(model.lm_head_weight(), head_grad_into)
     split = vocab_parallel_head(model, weight)
     n = -(-t // chunk) if t > chunk else 1
     size = chunk if t > chunk else t
@@ -132,7 +131,7 @@ def chunked_token_logprobs(model, hidden: jax.Array, targets: jax.Array, tempera
 
     def chunk_logprobs(hc, tc):
         if split is None:
-            return token_logprobs(model.logits_from_hidden(hc, weight), tc, temperature)
+            return token_logprobs(model.logits_from_hidden(hc), tc, temperature)
         w, rows, logits_sharding = split
         logits = model.logits_from_hidden(jax.lax.with_sharding_constraint(hc, rows), w)
         return token_logprobs(jax.lax.with_sharding_constraint(logits, logits_sharding), tc, temperature, select=True)
