@@ -3,11 +3,11 @@
 Runs the main job on configs/tiny_tlt.py (two slices, long-tailed answers, a fresh EAGLE drafter trained only while
 some slice still decodes, no drafter steps after the rollout) in one process, and with ``--processes 2`` as two
 ``jax.distributed`` processes on this machine (launch/local.sh, one slice per process). Per RL step it reports
-``drafter/critical_s`` (what drafter work added after the last slice anywhere finished: the steps in flight, which
-``controller/overhang_s`` measures alone, then dispatching the replicas' average, publishing, and any of the average
-still running when the rollout returns; the held-out top-1 runs during the rollout) against the run's mean drafter
-step (``controller/train_s`` / ``drafter/steps``), the drafter steps each slice got, and the accept length of every
-step. ``--static`` adds a one-process run whose drafter does not learn (``drafter.lr`` = 1e-12: Adam's steps of
+``drafter/critical_s`` (what drafter work added after the last slice anywhere finished: the drafter step or held-out
+scoring in flight, which ``controller/overhang_s`` measures alone, then dispatching the replicas' average, publishing,
+and any of the average still running when the rollout returns; work not yet started is dropped) against the run's
+mean drafter step (``drafter/step_s``, weighted by the steps), the drafter steps each slice got, and the accept length
+of every step. ``--static`` adds a one-process run whose drafter does not learn (``drafter.lr`` = 1e-12: Adam's steps of
 about 1e-12 leave the fresh drafter as it was), the baseline for the accept length.
 
     python benchmarks/critical_path.py --steps 20 --processes 1,2 --static   # -> results/critical_path_tiny_tlt.json
@@ -49,7 +49,10 @@ def summary(rows: list[dict]) -> dict:
     crit = [r["drafter/critical_s"] for r in rows]
     in_flight = [r["controller/overhang_s"] for r in rows]
     steps = sum(r["drafter/steps"] for r in rows)
-    step_s = sum(r["controller/train_s"] for r in rows) / steps if steps else None
+    # the mean drafter step (wall seconds on its slice's thread); the slices' training time per step also holds the
+    # held-out scorings and dropped steps
+    step_s = sum(r["drafter/step_s"] * r["drafter/steps"] for r in rows if r["drafter/steps"]) / steps if steps else 0
+    training_s = sum(r["controller/train_s"] for r in rows) / steps if steps else None
     slices = sorted(k for k in rows[0] if k.startswith("controller/train_steps/slice_"))
     return dict(
         critical_s=crit,
@@ -58,6 +61,8 @@ def summary(rows: list[dict]) -> dict:
         in_flight_s_median=statistics.median(in_flight),  # the drafter work in flight at the rollout's end
         beyond_in_flight_s_median=statistics.median(c - f for c, f in zip(crit, in_flight, strict=True)),
         drafter_step_s=step_s,
+        training_s_per_drafter_step=training_s,
+        rl_steps_without_drafter_steps=sum(r["drafter/steps"] == 0 for r in rows),
         drafter_steps=[r["drafter/steps"] for r in rows],
         drafter_steps_per_slice={k.rsplit("_", 1)[1]: sum(r[k] for r in rows) for k in slices},
         accept_length=[r["rollout/accept_length"] for r in rows],

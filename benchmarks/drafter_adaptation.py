@@ -123,6 +123,7 @@ def main() -> None:
             "rollout_s": [r["time/rollout_s"] for r in rows],
             "drafter_train_s": [r.get("controller/train_s", 0.0) for r in rows],
             "drafter_steps": [r.get("drafter/steps", 0.0) for r in rows],
+            "drafter_step_s": [r.get("drafter/step_s") for r in rows],  # the mean drafter step of each RL step
             "drafter_steps_per_slice": [[r.get(f"controller/train_steps/slice_{k}", 0.0) for k in range(args.slices)]
                                         for r in rows],
             "critical_s": [r.get("drafter/critical_s") for r in rows],  # drafter work on the RL step's path
@@ -158,9 +159,12 @@ def main() -> None:
         if name != "static":
             m["ratio_last"] = m["accept_length"][-1] / s["accept_length"][-1]
             m["ratio_second_half"] = sum(m["accept_length"][half:]) / sum(s["accept_length"][half:])
-            # one drafter step's seconds (the run's mean) against what drafter work added after each rollout
+            # one drafter step's seconds (the run's mean) against what drafter work added after each rollout; the
+            # slices' training time per step also holds the held-out scorings and dropped steps
             steps_run = sum(m["drafter_steps"])
-            m["drafter_step_s"] = sum(m["drafter_train_s"]) / steps_run if steps_run else None
+            m["training_s_per_drafter_step"] = sum(m["drafter_train_s"]) / steps_run if steps_run else None
+            m["drafter_step_s"] = sum(t * n for t, n in zip(m.pop("drafter_step_s"), m["drafter_steps"], strict=True)
+                                      if n) / steps_run if steps_run else None
             crit = sorted(c for c in m["critical_s"] if c is not None)
             m["critical_s_median"] = crit[len(crit) // 2] if crit else None
             if (m["final_eval"] or {}).get("accept_length") and (s["final_eval"] or {}).get("accept_length"):

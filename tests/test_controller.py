@@ -145,6 +145,26 @@ def test_default_steps_without_idle_keeps_several_slices_off_the_critical_path(e
         from_config_dict(cd)
 
 
+def test_a_dropped_step_leaves_the_slice_idle_or_starts_an_extra_step():
+    sched = SliceScheduler(2)
+    sched.start(0.0)
+    assert sched.rollout_done(0, 1.0) == [0]  # slice 0 trains (its step queued behind the held-out evaluation)
+    assert sched.rollout_done(1, 2.0) == []
+    assert sched.train_step_dropped(0, 2.0) is False and sched.done()
+    m = sched.finish(2.0)
+    assert m["controller/train_steps"] == 0 and m["controller/overhang_s"] == 0.0
+    assert check_timeline(sched, 2.0)[0] == [(BUSY, 0.0, 1.0), (TRAINING, 1.0, 2.0)]
+    # steps_without_idle: the dropped step does not count against the steps owed after the rollout
+    sched = SliceScheduler(2, ControllerConfig(steps_without_idle=1))
+    sched.start(0.0)
+    sched.rollout_done(0, 1.0)
+    sched.rollout_done(1, 2.0)
+    assert sched.train_step_dropped(0, 2.0) is True and not sched.done()
+    assert sched.train_step_done(0, 3.0) is False and sched.train_steps == [1, 0]
+    with pytest.raises(ValueError, match="slice 1 is idle, not training"):
+        sched.train_step_dropped(1, 3.0)
+
+
 def test_scheduler_rejects_bad_events():
     sched = SliceScheduler(2)
     sched.start(0.0)
@@ -260,6 +280,7 @@ def test_controller_trains_on_the_idle_slice(model, two, tmp_path):
     buffer = DrafterBuffer(max_bytes=2**20)
     ctl = Controller(rollout, trainer=trainer, buffer=buffer, cfg=ControllerConfig(row_len=16, rows=4),
                      workdir=tmp_path)
+    trainer.compile(4, 16)  # as the main job does: a step queued behind a compiling evaluation may be preempted
     # Slice 0 (prompts 0-2) finishes after a few tokens; slice 1 (prompts 3-4) decodes 50 more, 1 per round trip.
     params = SamplingParams(temperature=1.0, n=2, max_new_tokens=[4, 4, 4, 50, 50], seed=3, ignore_eos=True)
     want = rollout.generate(PROMPTS, params)
@@ -309,6 +330,38 @@ def test_controller_trains_on_the_idle_slice(model, two, tmp_path):
     assert m4["drafter/total_steps"] == m2["drafter/total_steps"] + m4["controller/train_steps"]
 
 
+def test_drafter_work_not_started_when_the_rollout_ends_is_dropped(model, two):
+    """Slice 0 finishes first: it runs a drafter step, then scores the drafter, then runs the next step. Whatever of
+    that has not started when slice 1 finishes is dropped: with a long first step, the scoring (no held-out figure);
+    with a long scoring, the second step (the score is kept)."""
+    trainer = SpotTrainer(EagleDrafter(model.config, rngs=nnx.Rngs(1)), two.meshes, two.policy)
+    ctl = Controller(two, trainer=trainer, buffer=DrafterBuffer(2**20), cfg=ControllerConfig(row_len=16, rows=4))
+    trainer.compile(4, 16)
+    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=[4, 4, 4, 30, 30], seed=3, ignore_eos=True)
+    calls = []
+
+    def outlasting(fn, name):  # slice 0's first call of fn runs until slice 1 has finished and the controller knows
+        def run(s, batch):
+            calls.append(name)
+            if len(calls) == 1:
+                while ctl.scheduler.busy():
+                    time.sleep(0.005)
+                time.sleep(0.5)
+            return fn(s, batch)
+        return run
+
+    step, evaluate = trainer.train_step, trainer.evaluate
+    trainer.train_step = outlasting(step, "step")
+    _, m = ctl.run_step(1, PROMPTS, params)
+    assert calls == ["step"] and m["controller/train_steps"] == m["drafter/steps"] == 1 and np.isnan(m[HELDOUT])
+    trainer.train_step, trainer.evaluate = step, outlasting(evaluate, "score")
+    calls.clear()
+    _, m = ctl.run_step(2, PROMPTS, params)
+    assert m["controller/train_steps"] == m["drafter/steps"] == 1 and 0 <= m[HELDOUT] <= 1  # the next step dropped
+    slice0 = [iv["state"] for iv in ctl.scheduler.timeline if iv["slice"] == 0]
+    assert slice0[:2] == [BUSY, TRAINING] and m["drafter/total_steps"] == 2
+
+
 @pytest.mark.slow
 def test_trained_drafter_published_to_eagle_slices_stays_lossless(model, two):
     import jax
@@ -322,6 +375,7 @@ def test_trained_drafter_published_to_eagle_slices_stays_lossless(model, two):
                             capture=HiddenCapture(window=16), compiler_options=FAST)
     trainer = SpotTrainer(drafter, rollout.meshes, rollout.policy, optim=DrafterOptimConfig(learning_rate=3e-3))
     ctl = Controller(rollout, trainer=trainer, buffer=DrafterBuffer(2**20), cfg=ControllerConfig(row_len=16, rows=2))
+    trainer.compile(2, 16)
     greedy = SamplingParams(temperature=0.0, n=2, max_new_tokens=[6, 6, 6, 40, 40], ignore_eos=True)
     try:
         want = two.generate(PROMPTS, greedy)  # plain decoding

@@ -1,4 +1,5 @@
-"""Run plots: each PNG is written from the files a run leaves in its workdir, and only when there is data for it."""
+"""Run plots: each PNG is written from the files a run leaves in its workdir, and only when there is data for it; the
+metrics file they read keeps figures not measured as null (and out of TensorBoard)."""
 
 import json
 import os
@@ -63,3 +64,20 @@ def test_running_mean_of_the_last_steps():
     from tlt_jax.metrics.plots import _running_mean
 
     assert _running_mean([0.0, 1.0, 0.5, 0.5, 1.0], 4) == [0.0, 0.5, 0.5, 0.5, 0.75]
+
+
+def test_metrics_writer_logs_nan_as_null_and_leaves_it_off_tensorboard(tmp_path, caplog):
+    """A figure that was not measured this step (NaN, e.g. a held-out score that was dropped) is null in
+    metrics.jsonl and no point in TensorBoard (tensorboardX would warn for each NaN scalar)."""
+    import logging
+
+    from tlt_jax.metrics.writers import MetricsWriter
+
+    w = MetricsWriter(str(tmp_path), tensorboard=True)
+    with caplog.at_level(logging.WARNING):
+        w.write(1, {"drafter/top1": float("nan"), "reward/mean": 0.5})
+        w.close()
+    assert not [r for r in caplog.records if "NaN" in r.getMessage()]
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["drafter/top1"] is None and row["reward/mean"] == 0.5
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

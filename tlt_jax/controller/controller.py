@@ -3,12 +3,13 @@
 ``Controller.run_step`` starts every slice's share of the rollout on its worker thread, then reacts to completions
 on the calling thread (the only thread that touches the state machine and the data buffer): a finished shard's
 captured hidden states go into the buffer and the scheduler decides whether that slice (and other idle ones) start
-drafter steps (the first slice to finish while others decode first scores the current drafter on the step's
-responses, held out since it never trained on them); a finished drafter step is followed by another one while any
-slice is still decoding. Batches are packed here, before a step is handed to the slice's thread, so they depend only
-on the dispatch order. At the end
-the spot trainer averages its replicas, the timeline is appended to ``timeline.jsonl`` and the merged rollout
-result comes back in the original prompt order with per-step metrics.
+drafter steps (the first slice to finish while others decode also scores the current drafter on the step's
+responses, held out since it never trained on them, after its first step); a finished drafter step is followed by
+another one while any slice is still decoding. When the last slice anywhere finishes, drafter work not yet started
+on a slice's thread is dropped, so only the work in flight (one step or one scoring per slice) delays the step.
+Batches are packed here, before a step is handed to the slice's thread, so they depend only on the dispatch order.
+At the end the spot trainer averages its replicas, the timeline is appended to ``timeline.jsonl`` and the merged
+rollout result comes back in the original prompt order with per-step metrics.
 """
 
 from __future__ import annotations
@@ -72,10 +73,11 @@ class Controller:
 
     def _heldout_batch(self, step: int, first: bool, last: bool):
         """The batch (this step's responses buffered so far) on which a slice that just finished its share evaluates
-        the current drafter (``SpotTrainer.evaluate``), or None. It does so when it is not the last slice anywhere to
-        finish, so it costs the step no time, or when it is the first as well (a single slice, or the only one with
-        prompts). first / last: as far as this process knows (its view of other processes' slices may lag, which only
-        makes a slice look early)."""
+        the current drafter (``SpotTrainer.evaluate``, after its first drafter step), or None. It does so when it is
+        not the last slice anywhere to finish (it costs the step at most its remainder: a scoring not yet started when
+        the rollout ends is dropped), or when it is the first as well (a single slice, or the only one with prompts).
+        first / last: as far as this process knows (its view of other processes' slices may lag, which only makes a
+        slice look early)."""
         if self.trainer is None or not self.cfg.train_drafter or (last and not first):
             return None
         return self.buffer.step_batch(step, self.cfg.row_len, self.cfg.rows)
@@ -122,6 +124,14 @@ class Controller:
                 submit("train", s, self.trainer.train_step, s, self._batch(step, s, local[s]))
                 local[s] += 1
 
+        def preempt() -> None:
+            """The rollout is over everywhere (so all that is left in flight is drafter work): what still waits for its
+            slice's thread (a scoring queued behind a drafter step, or a step behind a scoring) is not started, so at
+            most the work in flight ends."""
+            if not sched.busy():
+                for fut in list(inflight):
+                    fut.cancel()
+
         stop_watching = threading.Event()
 
         def watch(s: int) -> None:
@@ -143,9 +153,15 @@ class Controller:
             if kind == "remote":  # another process's slice finished: idle now (its drafter steps are its own)
                 if error is None and s in remote:
                     remote.discard(s)
-                    dispatch(sched.rollout_done(s, t, can_train=training and self.buffer.ready()))
+                    starts = sched.rollout_done(s, t, can_train=training and self.buffer.ready())
+                    preempt()
+                    dispatch(starts)
                 continue
             inflight.discard(fut)
+            if fut.cancelled():  # preempted drafter work (``preempt``)
+                if kind == "train" and error is None and sched.train_step_dropped(s, t):
+                    dispatch([s])
+                continue
             if fut.exception() is not None:
                 error = error or fut.exception()
             if error is not None:
@@ -153,19 +169,21 @@ class Controller:
                 continue  # let in-flight work finish, dispatch nothing new, then raise
             if kind == "rollout":
                 results[s] = fut.result()
+                if self.board is not None:  # first: other processes' slices stop training on this notice
+                    self.board.post(f"{call}/{s}")
                 if len(results) == len(mine):
                     self.rollout.release(held)
-                if self.board is not None:
-                    self.board.post(f"{call}/{s}")
                 if self.buffer is not None:
                     self.buffer.add_result(job_of[s].prompts, results[s])
                 decoding = len(sched.busy())  # slice s included
                 heldout = None if evaluated else self._heldout_batch(step, decoding == len(with_work), decoding == 1)
-                if heldout is not None:  # on this slice's thread, before its drafter steps
+                ready = training and self.buffer.ready()
+                starts = sched.rollout_done(s, t, can_train=ready)
+                preempt()  # before the steps_without_idle steps the rollout's end may start
+                dispatch(starts)
+                if heldout is not None:  # on this slice's thread, after its first drafter step (training first)
                     submit("heldout", s, self.trainer.evaluate, s, heldout)
                     evaluated = True
-                ready = training and self.buffer.ready()
-                dispatch(sched.rollout_done(s, t, can_train=ready))
             elif kind == "train":
                 busy = [b for b in sched.busy() if b in self.rollout.engines] if self.cfg.hot_swap else []
                 if busy:  # engines read their drafter at every chunk: the swap lands at the next chunk boundary

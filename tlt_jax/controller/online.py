@@ -111,6 +111,7 @@ class ControlledRollout:
                 m.update(self.trainer.step_metrics())
                 critical += self.trainer.averaged_after(self._went_on)
             m.setdefault("drafter/loss", float("nan"))
+            m.setdefault("drafter/step_s", float("nan"))
             m["drafter/train_top1"] = m.pop("drafter/top1", float("nan"))
             # Top-1 agreement with the policy of the drafter that drafted this rollout, on the step's own responses
             # (which it never trained on): evaluated during the rollout by a slice that had finished (Controller).

@@ -8,8 +8,10 @@ under scripted timings (``simulate``, used by tests and pod simulations):
 - ``rollout_done(s)``: s becomes idle; while some slice is still busy and at least ``min_idle_slices`` slices are
   idle (and there is data), every idle slice is dispatched to train.
 - ``train_step_done(s)``: s trains on while a slice is busy; once none is, it stops (an in-flight drafter step
-  always finishes, so nothing waits longer than one drafter step). ``steps_without_idle`` = N > 0: after the last
-  rollout ends, slice 0 trains N more steps (the single-slice path, where no slice is ever idle mid-rollout).
+  always finishes, so nothing waits longer than one drafter step; one dispatched but not yet started, queued
+  behind the slice's scoring of the drafter, is dropped: ``train_step_dropped``). ``steps_without_idle`` = N > 0:
+  after the last rollout ends, slice 0 trains N more steps (the single-slice path, where no slice is ever idle
+  mid-rollout).
 - ``finish``: closes every interval; the timeline is a list of {slice, state, start, end} covering [0, end] for
   every slice without gaps or overlaps.
 """
@@ -132,6 +134,18 @@ class SliceScheduler:
         self.train_steps[s] += 1
         if self.busy():
             return True
+        if s == 0 and self.extra > 0:
+            self.extra -= 1
+            return True
+        self._set(s, IDLE, t)
+        return False
+
+    def train_step_dropped(self, s: int, t: float) -> bool:
+        """The drafter step dispatched on s never started (preempted at the rollout's end). True: start another one
+        on s (a ``steps_without_idle`` step); False: s is idle now."""
+        if self.state[s] != TRAINING:
+            raise ValueError(f"train_step_dropped: slice {s} is {self.state[s]}, not training")
+        self._tick(t)
         if s == 0 and self.extra > 0:
             self.extra -= 1
             return True

@@ -16,6 +16,7 @@ DrafterOptimConfig, DrafterTrainState, make_drafter_train_step) are all imported
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -80,30 +81,36 @@ class SpotTrainer:
         self.optimizer = make_drafter_optimizer(optim)
         self.graphdef, _ = init_drafter_train_state(drafter, self.optimizer)
         self._shardings, self._steps, self._batch_sh, self._multiple, self._evals = {}, {}, {}, {}, {}
+        self._copies = {}  # per slice: one program copying the current state (a step's starting point)
         self._placed: dict[int, DrafterTrainState] = {}  # each slice's copy of the current state, on its devices
         for s, m in self.meshes.items():
             self._multiple[s] = int(np.prod([m.shape[a] for a in rules.lookup("batch")]))
             _, self._placed[s] = init_drafter_train_state(drafter, self.optimizer, m, rules)
             self._shardings[s] = jax.tree.map(lambda x: x.sharding, self._placed[s])
-            self._steps[s] = make_drafter_train_step(self.graphdef, self.optimizer, loss, m, rules)
+            self._steps[s] = _keyed(make_drafter_train_step(self.graphdef, self.optimizer, loss, m, rules), self.seed)
             self._batch_sh[s] = batch_sharding(m, rules)
             self._evals[s] = jax.jit(lambda p, policy, b: drafter_loss(nnx.merge(self.graphdef, p), policy, b,
                                                                        self.loss_cfg)[1].top1)
+            self._copies[s] = jax.jit(lambda state: jax.tree.map(jnp.copy, state))
         if all_meshes is None:
             if self.slices != list(range(len(self.slices))) or across_processes:
                 raise ValueError("SpotTrainer: give all_meshes (every slice's mesh) when meshes are some slices only")
             all_meshes = [self.meshes[s] for s in self.slices]
         specs = jax.tree.map(lambda sh: sh.spec, self._shardings[self.slices[0]])
-        self._merger = ReplicaMerger(all_meshes, specs, len(LOGGED) + 2)  # + held-out top-1 sum and count
+        # the LOGGED sums, the drafter steps' seconds, the held-out top-1 sum and count
+        self._merger = ReplicaMerger(all_meshes, specs, len(LOGGED) + 3)
         self.batch_multiple = [self._multiple[s] for s in self.slices]  # batch-parallel devices per slice
         self._lock = threading.Lock()
         self.rl_step = 0
         self.replicas: dict[int, DrafterTrainState] = {}
         self.local_steps: dict[int, int] = {}
         self.logs: dict[int, jax.Array] = {}  # per slice, this RL step's sums of the LOGGED metrics (on device)
+        self.step_seconds: dict[int, float] = {}  # per slice, this RL step's drafter steps' wall seconds
         self.heldout: dict[int, jax.Array] = {}  # this RL step's held-out top-1 per slice that evaluated (on device)
         self._pending: dict[str, Any] | None = None  # the last average's table, total step count and metrics
         self.averaged_at: float | None = None
+        self._averages: queue.SimpleQueue = queue.SimpleQueue()  # dispatched averages, for the watcher thread
+        self._watcher: threading.Thread | None = None
 
     @property
     def num_slices(self) -> int:
@@ -114,27 +121,31 @@ class SpotTrainer:
         if self.replicas:
             raise RuntimeError("SpotTrainer.begin_step: the previous step's replicas were not merged (end_step)")
         self.rl_step = int(rl_step)
-        self.local_steps, self.logs, self.heldout = {}, {}, {}
+        self.local_steps, self.logs, self.heldout, self.step_seconds = {}, {}, {}, {}
 
     def compile(self, rows: int, row_len: int) -> None:
-        """Compile every slice's drafter step and held-out evaluation ahead of time for [rows, row_len] batches, so
-        that the first step a slice runs (perhaps the one in flight when the rollout ends) does not compile on the RL
-        step's path."""
+        """Compile every slice's drafter step, held-out evaluation and the replicas' average ahead of time for [rows,
+        row_len] batches, so that none compiles on an RL step's path (the first step a slice runs may be the one in
+        flight when the rollout ends)."""
+        abstract = {}
         for s in self.slices:
             policy = self.policy_for(s)
             batch = dummy_batch(rows, row_len, policy.config.hidden_size)
             state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                  self._placed[s])
             batch = jax.device_put(batch, self._batch_sh[s])
-            self._steps[s] = self._steps[s].lower(state, policy, batch, jax.random.key(0)).compile()
+            self._steps[s] = self._steps[s].lower(state, policy, batch, _step_ids(0, s, 0)).compile()
             self._evals[s] = self._evals[s].lower(state.params, policy, batch).compile()
+            self._copies[s] = self._copies[s].lower(state).compile()
+            abstract[s] = state
+        self._merger.compile(abstract)
 
     def evaluate(self, s: int, batch: DrafterBatch) -> None:
         """Top-1 agreement with the policy of slice ``s``'s copy of the current drafter (the one this RL step's
         rollout drafted with, which never trained on that rollout's responses) on ``batch`` of them: held-out data.
         The value stays on the device until ``average``; ``step_metrics`` reports the mean over the slices (of every
-        process) that evaluated as ``HELDOUT``. Run on a slice whose share has finished while others decode, it
-        costs the RL step nothing."""
+        process) that evaluated as ``HELDOUT``. Run on a slice whose share has finished while others decode (the
+        controller drops it if it has not started when the rollout ends)."""
         with busy(self.activity, ("drafter", s)):
             batch = jax.device_put(batch, self._batch_sh[s])
             value = self._evals[s](self._placed[s].params, self.policy_for(s), batch)
@@ -151,22 +162,22 @@ class SpotTrainer:
             state = self.replicas.get(s)
             k = self.local_steps.get(s, 0)
         if state is None:  # a copy: the step donates its state, and the slice's copy stays the step's starting point
-            state = jax.tree.map(jnp.copy, self._placed[s])
+            state = self._copies[s](self._placed[s])
         rows = batch.next_tokens.shape[0]
         if rows % self._multiple[s]:
             raise ValueError(f"drafter batch of {rows} rows does not split over slice {s}'s {self._multiple[s]} "
                              "batch-parallel devices; use a multiple of that many rows (ControllerConfig.rows)")
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), self.rl_step), s * 1_000_003 + k)
+        t0 = time.perf_counter()
         with busy(self.activity, ("drafter", s)):  # other slices' bandit timings taken meanwhile are disturbed
             batch = jax.device_put(batch, self._batch_sh[s])
-            state, m = self._steps[s](state, self.policy_for(s), batch, key)
+            state, m, logged = self._steps[s](state, self.policy_for(s), batch, _step_ids(self.rl_step, s, k))
             jax.block_until_ready(state)  # no host read: the controller (preemption) and activity see the step's end
         out = {f"drafter/{name}": v for name, v in m._asdict().items()}
-        logged = jnp.stack([out[name] for name in LOGGED])  # summed on the device: average reads one row a slice
         with self._lock:
             self.replicas[s] = state
             self.local_steps[s] = k + 1
             self.logs[s] = logged if s not in self.logs else self.logs[s] + logged
+            self.step_seconds[s] = self.step_seconds.get(s, 0.0) + time.perf_counter() - t0
         return out
 
     def end_step(self) -> dict[str, float]:
@@ -182,24 +193,31 @@ class SpotTrainer:
         with self._lock:
             reps, steps = dict(self.replicas), dict(self.local_steps)
             logs, heldout = jax.device_get((self.logs, self.heldout))  # one read: every slice's metric sums
-            self.replicas, self.logs, self.heldout = {}, {}, {}
-        sums = {s: [float(v) for v in logs.get(s, [0.0] * len(LOGGED))]
+            seconds = self.step_seconds
+            self.replicas, self.logs, self.heldout, self.step_seconds = {}, {}, {}, {}
+        sums = {s: [float(v) for v in logs.get(s, [0.0] * len(LOGGED))] + [seconds.get(s, 0.0)]
                 + ([float(heldout[s]), 1.0] if s in heldout else [0.0, 0.0]) for s in set(logs) | set(heldout)}
         states = {s: reps.get(s, self._placed[s]) for s in self.slices}
         self._placed, meta = self._merger(states, {s: s in reps for s in self.slices}, steps, sums)
         self._pending = dict(meta=meta, total=self._placed[self.slices[0]].step, metrics=None)
         self.averaged_at = None
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="drafter-average", daemon=True)
+            self._watcher.start()
+        self._averages.put(self._pending)
 
-        def watch(pending=self._pending):  # only timing: a failed program raises in step_metrics' read
+    def _watch(self) -> None:
+        """The watcher thread: notes when each dispatched average is done (only timing: a failed program raises in
+        ``step_metrics``' read)."""
+        while True:
+            pending = self._averages.get()
             try:
                 jax.block_until_ready(pending["meta"])
             except Exception:  # noqa: BLE001
-                return
+                continue
             with self._lock:
                 if pending is self._pending and self.averaged_at is None:
                     self.averaged_at = time.perf_counter()
-
-        threading.Thread(target=watch, name="drafter-average", daemon=True).start()
 
     def step_metrics(self) -> dict[str, float]:
         """The last ``average``'s RL-step metrics over all slices (``HELDOUT``: NaN when no slice evaluated); the
@@ -218,6 +236,7 @@ class SpotTrainer:
                    HELDOUT: sum(v[-2] for v in sums.values()) / evaluated if evaluated else float("nan")}
             if n:  # means over every drafter step of the RL step, on every slice
                 out.update({k: sum(v[i] for v in sums.values()) / n for i, k in enumerate(LOGGED)})
+                out["drafter/step_s"] = sum(v[len(LOGGED)] for v in sums.values()) / n  # wall, on its slice's thread
             pending["metrics"] = out
         return dict(pending["metrics"])
 
@@ -287,6 +306,24 @@ class SpotTrainer:
     def export(self, path) -> None:
         """Write the current drafter in the EAGLE/SGLang layout (see ``export_eagle``)."""
         export_eagle(self.drafter(), path)
+
+
+def _keyed(step, seed: int):
+    """``step(state, policy, batch, key)`` as ``(state, policy, batch, ids) -> (state, metrics, logged)``: the key is
+    made inside the program from ``ids`` (``_step_ids``) and the ``LOGGED`` metrics come stacked (summed on the device
+    across a slice's steps), so a drafter step is one dispatch."""
+
+    def run(state, policy, batch, ids):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), ids[0]), ids[1])
+        state, m = step(state, policy, batch, key)
+        return state, m, jnp.stack([getattr(m, name.split("/", 1)[1]) for name in LOGGED])
+
+    return jax.jit(run, donate_argnums=(0,))
+
+
+def _step_ids(rl_step: int, s: int, k: int) -> np.ndarray:
+    """What a drafter step's key depends on: the RL step and (slice, local step); ``_keyed`` folds them in."""
+    return np.array([rl_step, s * 1_000_003 + k], np.uint32)
 
 
 def dummy_batch(rows: int, row_len: int, hidden: int) -> DrafterBatch:

@@ -154,8 +154,8 @@ class MetricsWriter:
         self._file.flush()
         if self._tb is not None:
             prefix = "" if kind == "train" else f"{kind}/"
-            for k, v in metrics.items():
-                if isinstance(v, (int, float, np.number)) and not isinstance(v, bool):
+            for k, v in metrics.items():  # a NaN or infinite value (nothing measured) is no point on a curve
+                if isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and math.isfinite(float(v)):
                     self._tb.add_scalar(prefix + k, float(v), step)
 
     def write_config(self, config_json: str) -> None:
