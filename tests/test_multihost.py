@@ -19,7 +19,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 LOCAL_SH = REPO / "launch" / "local.sh"
 NONDETERMINISTIC = (
     "time/", "rollout/tokens_per_s", "rollout/compile_s", "rollout/background_compile_s", "eval/seconds",
-    "drafter/critical_s",
+    "drafter/critical_s", "drafter/step_s",
 )
 
 # A jax.distributed program that starts like the main job, reports its pid, then runs collectives until killed.

@@ -87,7 +87,8 @@ class SpotTrainer:
             self._multiple[s] = int(np.prod([m.shape[a] for a in rules.lookup("batch")]))
             _, self._placed[s] = init_drafter_train_state(drafter, self.optimizer, m, rules)
             self._shardings[s] = jax.tree.map(lambda x: x.sharding, self._placed[s])
-            self._steps[s] = _keyed(make_drafter_train_step(self.graphdef, self.optimizer, loss, m, rules), self.seed)
+            step = make_drafter_train_step(self.graphdef, self.optimizer, loss, m, rules)
+            self._steps[s] = keyed_step(step, self.seed)
             self._batch_sh[s] = batch_sharding(m, rules)
             self._evals[s] = jax.jit(lambda p, policy, b: drafter_loss(nnx.merge(self.graphdef, p), policy, b,
                                                                        self.loss_cfg)[1].top1)
@@ -134,7 +135,7 @@ class SpotTrainer:
             state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                  self._placed[s])
             batch = jax.device_put(batch, self._batch_sh[s])
-            self._steps[s] = self._steps[s].lower(state, policy, batch, _step_ids(0, s, 0)).compile()
+            self._steps[s] = self._steps[s].lower(state, policy, batch, step_ids(0, s, 0)).compile()
             self._evals[s] = self._evals[s].lower(state.params, policy, batch).compile()
             self._copies[s] = self._copies[s].lower(state).compile()
             abstract[s] = state
@@ -170,7 +171,7 @@ class SpotTrainer:
         t0 = time.perf_counter()
         with busy(self.activity, ("drafter", s)):  # other slices' bandit timings taken meanwhile are disturbed
             batch = jax.device_put(batch, self._batch_sh[s])
-            state, m, logged = self._steps[s](state, self.policy_for(s), batch, _step_ids(self.rl_step, s, k))
+            state, m, logged = self._steps[s](state, self.policy_for(s), batch, step_ids(self.rl_step, s, k))
             jax.block_until_ready(state)  # no host read: the controller (preemption) and activity see the step's end
         out = {f"drafter/{name}": v for name, v in m._asdict().items()}
         with self._lock:
@@ -308,9 +309,9 @@ class SpotTrainer:
         export_eagle(self.drafter(), path)
 
 
-def _keyed(step, seed: int):
+def keyed_step(step, seed: int):
     """``step(state, policy, batch, key)`` as ``(state, policy, batch, ids) -> (state, metrics, logged)``: the key is
-    made inside the program from ``ids`` (``_step_ids``) and the ``LOGGED`` metrics come stacked (summed on the device
+    made inside the program from ``ids`` (``step_ids``) and the ``LOGGED`` metrics come stacked (summed on the device
     across a slice's steps), so a drafter step is one dispatch."""
 
     def run(state, policy, batch, ids):
@@ -321,8 +322,8 @@ def _keyed(step, seed: int):
     return jax.jit(run, donate_argnums=(0,))
 
 
-def _step_ids(rl_step: int, s: int, k: int) -> np.ndarray:
-    """What a drafter step's key depends on: the RL step and (slice, local step); ``_keyed`` folds them in."""
+def step_ids(rl_step: int, s: int, k: int) -> np.ndarray:
+    """What a drafter step's key depends on: the RL step and (slice, local step); ``keyed_step`` folds them in."""
     return np.array([rl_step, s * 1_000_003 + k], np.uint32)
 
 

@@ -269,6 +269,7 @@ def abstract_engine(cfg: Config, policy: AbstractPolicy, mesh: Mesh, backend: st
 
 def drafter_trainer(cfg: Config, eng: AbstractEngine, rules: LogicalRules = LogicalRules()) -> tuple[Any, tuple]:
     """(jitted step, abstract arguments) of the online drafter's train step on slice 0 (``SpotTrainer``)."""
+    from tlt_jax.drafter.spot import keyed_step
     from tlt_jax.drafter.train import (
         DrafterBatch,
         DrafterLossConfig,
@@ -298,8 +299,7 @@ def drafter_trainer(cfg: Config, eng: AbstractEngine, rules: LogicalRules = Logi
     batch = DrafterBatch(next_tokens=sds((rows, t), jnp.int32), features=sds((rows, t, h), jnp.float32),
                          targets=sds((rows, t, h), jnp.float32), positions=sds((rows, t), jnp.int32),
                          segment_ids=sds((rows, t), jnp.int32), loss_mask=sds((rows, t), jnp.float32))
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    ids = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))  # ``step_ids``
     policy = nnx.merge(engine.graphdef, engine.params)
-    step = make_drafter_train_step(graphdefs[-1], opt, DrafterLossConfig(), mesh, rules)
-    return step, (state, policy, batch, key)
+    step = keyed_step(make_drafter_train_step(graphdefs[-1], opt, DrafterLossConfig(), mesh, rules), cfg.train.seed)
+    return step, (state, policy, batch, ids)
