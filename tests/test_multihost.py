@@ -401,11 +401,14 @@ def test_tlt_slices_across_two_processes(tmp_path):
     for step in (1, 2):
         _assert_close({k: v for k, v in rows[step].items() if k.startswith(rl)},
                       {k: v for k, v in ref[step].items() if k.startswith(rl)}, step)
-        assert rows[step]["drafter/steps"] > 0 and rows[step]["drafter/replicas"] >= 1, rows[step]
-        # scored during the rollout by the slice that finished first (either process's), reported by process 0
-        assert 0 <= rows[step]["drafter/top1"] <= 1, rows[step]
+        # scored during the rollout by the slice that finished first (either process's) after its first drafter
+        # step, reported by process 0; not scored (None) when the rollout ended first
+        assert rows[step]["drafter/top1"] is None or 0 <= rows[step]["drafter/top1"] <= 1, rows[step]
         for k in ("drafter/buffer_tokens", "buffer/samples"):  # each process buffers its own slice's: summed
             assert rows[step][k] == ref[step][k] > 0, (step, k)
+    # drafter steps ran while the other process's slice decoded (a step not started when it ended is dropped), and
+    # the replicas were averaged across the processes
+    assert any(rows[step]["drafter/steps"] > 0 and rows[step]["drafter/replicas"] >= 1 for step in (1, 2)), rows
     timeline = [json.loads(line) for line in (multi / TIMELINE_FILE).read_text().splitlines()]
     assert {(t["process"], t["slice"]) for t in timeline} == {(0, 0), (1, 1)}
     for step in (1, 2):
