@@ -19,6 +19,7 @@ import dataclasses
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -202,23 +203,17 @@ class SpotTrainer:
         self._placed, meta = self._merger(states, {s: s in reps for s in self.slices}, steps, sums)
         self._pending = dict(meta=meta, total=self._placed[self.slices[0]].step, metrics=None)
         self.averaged_at = None
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch, name="drafter-average", daemon=True)
+        if self._watcher is None:  # one thread for the trainer's life (it ends when the trainer is collected)
+            self._watcher = threading.Thread(target=_watch_averages, args=(self._averages, weakref.ref(self)),
+                                             name="drafter-average", daemon=True)
             self._watcher.start()
+            weakref.finalize(self, self._averages.put, None)
         self._averages.put(self._pending)
 
-    def _watch(self) -> None:
-        """The watcher thread: notes when each dispatched average is done (only timing: a failed program raises in
-        ``step_metrics``' read)."""
-        while True:
-            pending = self._averages.get()
-            try:
-                jax.block_until_ready(pending["meta"])
-            except Exception:  # noqa: BLE001
-                continue
-            with self._lock:
-                if pending is self._pending and self.averaged_at is None:
-                    self.averaged_at = time.perf_counter()
+    def _averaged(self, pending: dict) -> None:
+        with self._lock:
+            if pending is self._pending and self.averaged_at is None:
+                self.averaged_at = time.perf_counter()
 
     def step_metrics(self) -> dict[str, float]:
         """The last ``average``'s RL-step metrics over all slices (``HELDOUT``: NaN when no slice evaluated); the
@@ -307,6 +302,19 @@ class SpotTrainer:
     def export(self, path) -> None:
         """Write the current drafter in the EAGLE/SGLang layout (see ``export_eagle``)."""
         export_eagle(self.drafter(), path)
+
+
+def _watch_averages(averages: queue.SimpleQueue, trainer: weakref.ref) -> None:
+    """A trainer's watcher thread: notes when each dispatched average is done (only timing: a failed program raises
+    in ``step_metrics``' read); None ends it."""
+    while (pending := averages.get()) is not None:
+        try:
+            jax.block_until_ready(pending["meta"])
+        except Exception:  # noqa: BLE001
+            continue
+        if (t := trainer()) is not None:
+            t._averaged(pending)
+            del t
 
 
 def keyed_step(step, seed: int):
