@@ -211,6 +211,7 @@ class SpotTrainer:
         self._averages.put(self._pending)
 
     def _averaged(self, pending: dict) -> None:
+        """The watcher saw ``pending``'s average done (``averaged_at``, if it is still the last one)."""
         with self._lock:
             if pending is self._pending and self.averaged_at is None:
                 self.averaged_at = time.perf_counter()
