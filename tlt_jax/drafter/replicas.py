@@ -57,6 +57,7 @@ class ReplicaMerger:
         self._flat = [NamedSharding(m, self._per_device) for m in self.meshes]
         self._stacked = NamedSharding(self.mesh, PartitionSpec((SLICES, *axes)))
         self._devices = len(self.meshes[0].devices.flat)
+        self._mine = [{d.id for d in m.devices.flat} for m in self.meshes]  # each slice's device ids
         self._pack, self._unpack = {}, {}  # per slice, compiled at its first call (when the leaves are known)
         self._merge = None
         self.layout: tuple | None = None  # per leaf: (its block's shape on one device, dtype), set at the first call
@@ -113,7 +114,7 @@ class ReplicaMerger:
         self.layout = layout
         floats, ints = self._sizes()
         meta = NamedSharding(mesh, PartitionSpec())
-        pack = jax.shard_map(lambda xs, m: _pack(xs, m), mesh=mesh, in_specs=(self._leaf_specs, PartitionSpec()),
+        pack = jax.shard_map(_pack, mesh=mesh, in_specs=(self._leaf_specs, PartitionSpec()),
                              out_specs=(self._per_device, self._per_device), check_vma=False)
         self._pack[s] = jax.jit(pack, in_shardings=(placed, meta), out_shardings=(self._flat[s], self._flat[s])).lower(
             [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
@@ -132,7 +133,6 @@ class ReplicaMerger:
         spec = self._stacked.spec
         merge = jax.shard_map(lambda f, r: _merge(f, r, 2 + self.logged), mesh=self.mesh, in_specs=(spec, spec),
                               out_specs=(spec, spec, PartitionSpec()), check_vma=False)
-        # no donation: the inputs are the slices' own buffers
         total = len(self.meshes) * self._devices
         return jax.jit(merge, in_shardings=(self._stacked, self._stacked),
                        out_shardings=(self._stacked, self._stacked, every)).lower(
@@ -157,8 +157,7 @@ class ReplicaMerger:
 
     def _part(self, x: jax.Array, s: int) -> jax.Array:
         """Slice ``s``'s blocks of a stacked per-device array, as an array on slice s's mesh."""
-        mine = {d.id for d in self.meshes[s].devices.flat}
-        shards = [sh.data for sh in x.addressable_shards if sh.device.id in mine]
+        shards = [sh.data for sh in x.addressable_shards if sh.device.id in self._mine[s]]
         return jax.make_array_from_single_device_arrays((x.shape[0] // len(self.meshes), *x.shape[1:]), self._flat[s],
                                                         shards)
 
