@@ -47,7 +47,7 @@ def run(processes: int, steps: int, workdir: Path, extra: tuple[str, ...] = ()) 
 
 def summary(rows: list[dict]) -> dict:
     crit = [r["drafter/critical_s"] for r in rows]
-    in_flight = [r["controller/overhang_s"] for r in rows]
+    in_flight = [r["controller/overhang_s"] for r in rows]  # the latest end, over the processes, of their work
     steps = sum(r["drafter/steps"] for r in rows)
     # the mean drafter step (wall seconds on its slice's thread); the slices' training time per step also holds the
     # held-out scorings and dropped steps
@@ -60,7 +60,16 @@ def summary(rows: list[dict]) -> dict:
         critical_s_after_step_1_max=max(crit[1:]) if len(crit) > 1 else None,
         in_flight_s_median=statistics.median(in_flight),  # the drafter work in flight at the rollout's end
         beyond_in_flight_s_median=statistics.median(c - f for c, f in zip(crit, in_flight, strict=True)),
+        # preemption's own bound: the work in flight at the rollout's end (any process) within one mean drafter step
+        rl_steps_in_flight_within_one_step=sum(f <= step_s for f in in_flight) if steps else None,
         drafter_step_s=step_s,
+        # each RL step's own mean drafter step (the step in flight itself where the RL step ran one), and how often the
+        # work in flight / the whole critical path stayed within it
+        drafter_step_s_per_rl_step=[r["drafter/step_s"] for r in rows],
+        rl_steps_in_flight_within_own_step=sum(f <= r["drafter/step_s"] for f, r in zip(in_flight, rows, strict=True)
+                                               if r["drafter/steps"]),
+        rl_steps_critical_within_own_step=sum(c <= r["drafter/step_s"] for c, r in zip(crit, rows, strict=True)
+                                              if r["drafter/steps"]),
         training_s_per_drafter_step=training_s,
         rl_steps_without_drafter_steps=sum(r["drafter/steps"] == 0 for r in rows),
         drafter_steps=[r["drafter/steps"] for r in rows],
@@ -86,7 +95,8 @@ def main() -> None:
             out["runs"][f"{p}_process"] = s = summary(run(p, args.steps, Path(tmp) / f"p{p}"))
             print(f"{p} process(es): critical path median {s['critical_s_median']:.3f} s per RL step (after step 1 "
                   f"at most {s['critical_s_after_step_1_max']:.3f} s; in flight {s['in_flight_s_median']:.3f} s, the "
-                  f"rest {s['beyond_in_flight_s_median']:.3f} s); one drafter step {s['drafter_step_s']:.3f} s; "
+                  f"rest {s['beyond_in_flight_s_median']:.3f} s); one drafter step {s['drafter_step_s']:.3f} s "
+                  f"(in flight within it at {s['rl_steps_in_flight_within_one_step']} of {args.steps} RL steps); "
                   f"drafter steps per slice {s['drafter_steps_per_slice']}; accept length first / last 4 steps "
                   f"{s['accept_length_first_last_4']}")
         if args.static:

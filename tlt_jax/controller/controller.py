@@ -200,8 +200,7 @@ class Controller:
                 self.trainer.replicas.clear()
             raise error
         self.rollout.release(held)  # (already, unless this process had no share)
-        metrics = sched.finish(now())
-        loop_done = now()  # the drafter steps in flight at the rollout's end have ended
+        metrics = sched.finish(now())  # the drafter work in flight at the rollout's end has ended
         if self.cfg.hot_swap:
             metrics["controller/hot_swaps"] = float(swaps)
         timeline = [dict(iv, process=jax.process_index()) for iv in sched.timeline]
@@ -211,19 +210,18 @@ class Controller:
             metrics["drafter/dropped"] = float(self.buffer.dropped)
         # The rollout's results and the controller's metrics and timeline from every process: one exchange.
         results, parts = self.rollout.exchange(results, dict(metrics=metrics, timeline=timeline, t0=t0_unix))
-        shift = 0.0  # this process's clock onto the timeline's (the first process's, across processes)
         if self.rollout.across_processes:
             metrics, timeline = merge_processes(metrics, parts)
-            shift = t0_unix - parts[0]["t0"]
         dispatch = now()
         if training:  # every process's replicas averaged on the devices (one collective), dispatched
             self.trainer.average()
         went_on = now()
-        # Drafter work after the last shard anywhere ended: the steps in flight, then dispatching the average (not the
-        # exchange, which is the rollout's). The average runs on while the RL step goes on; what of it runs past the
-        # caller's going on counts too (``SpotTrainer.averaged_after``). ControlledRollout adds publishing.
-        last_shard = max((iv["end"] for iv in timeline if iv["state"] == BUSY), default=0.0)
-        self.drafter_critical_s = max(0.0, loop_done + shift - last_shard) + went_on - dispatch
+        # Drafter work after the last shard anywhere ended: the work in flight on any process (the merged
+        # ``controller/overhang_s``: the latest end of a process's loop after the last shard, so a step still running on
+        # a process whose own slices ended early counts too), then dispatching the average (not the exchange, which is
+        # the rollout's). The average runs on while the RL step goes on; what of it runs past the caller's going on
+        # counts too (``SpotTrainer.averaged_after``). ControlledRollout adds publishing.
+        self.drafter_critical_s = metrics["controller/overhang_s"] + went_on - dispatch
         if training and wait_for_drafter:
             metrics.update(self.trainer.step_metrics())
             self.drafter_critical_s += self.trainer.averaged_after(t0 + went_on)

@@ -132,13 +132,7 @@ class SliceScheduler:
             raise ValueError(f"train_step_done: slice {s} is {self.state[s]}, not training")
         self._tick(t)
         self.train_steps[s] += 1
-        if self.busy():
-            return True
-        if s == 0 and self.extra > 0:
-            self.extra -= 1
-            return True
-        self._set(s, IDLE, t)
-        return False
+        return True if self.busy() else self._extra_step_or_idle(s, t)
 
     def train_step_dropped(self, s: int, t: float) -> bool:
         """The drafter step dispatched on s never started (preempted at the rollout's end). True: start another one
@@ -146,6 +140,11 @@ class SliceScheduler:
         if self.state[s] != TRAINING:
             raise ValueError(f"train_step_dropped: slice {s} is {self.state[s]}, not training")
         self._tick(t)
+        return self._extra_step_or_idle(s, t)
+
+    def _extra_step_or_idle(self, s: int, t: float) -> bool:
+        """No slice decodes any more: slice 0 runs what is left of its ``steps_without_idle`` steps, any other goes
+        idle at t."""
         if s == 0 and self.extra > 0:
             self.extra -= 1
             return True
