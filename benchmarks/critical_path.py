@@ -10,7 +10,11 @@ mean drafter step (``drafter/step_s``, weighted by the steps), the drafter steps
 of every step. ``--static`` adds a one-process run whose drafter does not learn (``drafter.lr`` = 1e-12: Adam's steps of
 about 1e-12 leave the fresh drafter as it was), the baseline for the accept length.
 
+``--config`` / ``--set`` run another config the same way, e.g. the default run's SmolLM2 with two slices:
+
     python benchmarks/critical_path.py --steps 20 --processes 1,2 --static   # -> results/critical_path_tiny_tlt.json
+    python benchmarks/critical_path.py --config configs/gsm8k.py --set rollout.num_slices=2 --set eval.every_steps=0 \
+        --steps 6 --processes 2 --out benchmarks/results/critical_path_smollm2_2proc.json
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "critical_path_tiny_tlt.json"
 
 
-def run(processes: int, steps: int, workdir: Path, extra: tuple[str, ...] = ()) -> list[dict]:
-    """The main job with ``processes`` processes (2 devices in all); its train rows of metrics.jsonl."""
-    args = ["-m", "tlt_jax.main", f"--config={REPO / 'configs' / 'tiny_tlt.py'}", f"--workdir={workdir}",
+def run(processes: int, steps: int, workdir: Path, extra: tuple[str, ...] = (),
+        config: Path = REPO / "configs" / "tiny_tlt.py") -> list[dict]:
+    """The main job on ``config`` with ``processes`` processes (2 devices in all); its train rows of metrics.jsonl."""
+    args = ["-m", "tlt_jax.main", f"--config={config}", f"--workdir={workdir}",
             f"--config.train.num_steps={steps}", "--config.eval.at_start=False", "--config.metrics.progress_bars=False",
             *extra]
     env = dict(os.environ)
@@ -87,12 +92,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--processes", default="1,2", help="comma list: 1 (2 slices in one process) and/or 2")
     ap.add_argument("--static", action="store_true", help="also a one-process run whose drafter does not learn")
+    ap.add_argument("--config", default=str(REPO / "configs" / "tiny_tlt.py"), help="the main job's config file")
+    ap.add_argument("--set", action="append", default=[], help="a config override KEY=VALUE (repeatable)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    sets = tuple(f"--config.{kv}" for kv in args.set)
     out = {"command": "python benchmarks/critical_path.py " + " ".join(sys.argv[1:]), "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for p in (int(x) for x in args.processes.split(",")):
-            out["runs"][f"{p}_process"] = s = summary(run(p, args.steps, Path(tmp) / f"p{p}"))
+            out["runs"][f"{p}_process"] = s = summary(run(p, args.steps, Path(tmp) / f"p{p}", sets, Path(args.config)))
             print(f"{p} process(es): critical path median {s['critical_s_median']:.3f} s per RL step (after step 1 "
                   f"at most {s['critical_s_after_step_1_max']:.3f} s; in flight {s['in_flight_s_median']:.3f} s, the "
                   f"rest {s['beyond_in_flight_s_median']:.3f} s); one drafter step {s['drafter_step_s']:.3f} s "
@@ -100,7 +108,7 @@ def main() -> None:
                   f"drafter steps per slice {s['drafter_steps_per_slice']}; accept length first / last 4 steps "
                   f"{s['accept_length_first_last_4']}")
         if args.static:
-            rows = run(1, args.steps, Path(tmp) / "static", ("--config.drafter.lr=1e-12",))
+            rows = run(1, args.steps, Path(tmp) / "static", (*sets, "--config.drafter.lr=1e-12"), Path(args.config))
             out["runs"]["1_process_static"] = s = {
                 "accept_length": [r["rollout/accept_length"] for r in rows],
                 "accept_length_first_last_4": [statistics.mean(r["rollout/accept_length"] for r in rows[:4]),
