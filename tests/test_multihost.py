@@ -408,6 +408,8 @@ def test_tlt_slices_across_two_processes(tmp_path):
             assert rows[step][k] == ref[step][k] > 0, (step, k)
         # the critical path holds the drafter work in flight on either process (process 0 reports it), not only its own
         assert rows[step]["drafter/critical_s"] >= rows[step]["controller/overhang_s"] >= 0, rows[step]
+        # neither process started its deferred compiles while the other's slice still decoded
+        assert rows[step]["controller/compile_release_s"] >= 0, rows[step]
     # drafter steps ran while the other process's slice decoded (a step not started when it ended is dropped), and
     # the replicas were averaged across the processes
     assert any(rows[step]["drafter/steps"] > 0 and rows[step]["drafter/replicas"] >= 1 for step in (1, 2)), rows

@@ -78,6 +78,7 @@ def test_online_drafter_and_slices_leave_rl_metrics_unchanged(tmp_path):
             assert r["controller/busy_s"] > 0 and r["controller/train_s"] > 0
             # what drafter work added after the last shard: the steps after the rollout and the replicas' average
             assert r["drafter/critical_s"] >= r["controller/overhang_s"] > 0, (name, step, r)
+            assert r["controller/compile_release_s"] >= 0, (name, step, r)  # deferred compiles: after the rollout
         assert "drafter/steps" not in rows["off"][step]
     # Whether a drafter step ends while the other slice still decodes depends on timing (all responses here are 16
     # tokens): each drafter step swaps its replica into at most the one other slice. The swap drafting is tested

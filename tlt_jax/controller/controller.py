@@ -127,12 +127,16 @@ class Controller:
         def preempt() -> None:
             """The rollout is over everywhere (so all that is left in flight is drafter work): what still waits for its
             slice's thread (a scoring queued behind a drafter step, or a step behind a scoring) is not started, so at
-            most the work in flight ends."""
+            most the work in flight ends; this process's deferred compiles start (not before: their tracing holds the
+            GIL and the host's cores, which this process's drafter steps and its notices of the others' ends need)."""
             if not sched.busy():
                 for fut in list(inflight):
                     fut.cancel()
+                self.rollout.release(held)
+                released.setdefault("t", now())
 
         stop_watching = threading.Event()
+        released: dict[str, float] = {}  # when this process's deferred compiles were let go
 
         def watch(s: int) -> None:
             """Another process's slice ``s``: an event as soon as its end is posted on the board."""
@@ -142,7 +146,7 @@ class Controller:
         for s in sorted(remote):
             threading.Thread(target=watch, args=(s,), name=f"board-slice{s}", daemon=True).start()
 
-        held = self.rollout.hold_compiles()  # released once every slice of this process has finished its share
+        held = self.rollout.hold_compiles()  # released once every slice anywhere has finished its share
         for j in mine:
             submit("rollout", j.slice, self.rollout.run_job, j, hooks[j.slice])
         dispatch(sched.poll(0.0, training and self.buffer.ready()))  # slices with no prompt, previous-step data
@@ -171,8 +175,6 @@ class Controller:
                 results[s] = fut.result()
                 if self.board is not None:  # first: other processes' slices stop training on this notice
                     self.board.post(f"{call}/{s}")
-                if len(results) == len(mine):
-                    self.rollout.release(held)
                 if self.buffer is not None:
                     self.buffer.add_result(job_of[s].prompts, results[s])
                 decoding = len(sched.busy())  # slice s included
@@ -199,7 +201,8 @@ class Controller:
             if training:
                 self.trainer.replicas.clear()
             raise error
-        self.rollout.release(held)  # (already, unless this process had no share)
+        self.rollout.release(held)  # (already, unless no slice had a share)
+        released.setdefault("t", now())
         metrics = sched.finish(now())  # the drafter work in flight at the rollout's end has ended
         if self.cfg.hot_swap:
             metrics["controller/hot_swaps"] = float(swaps)
@@ -209,9 +212,14 @@ class Controller:
             metrics["drafter/buffer_tokens"] = float(sum(s.ids.size for s in self.buffer.samples))
             metrics["drafter/dropped"] = float(self.buffer.dropped)
         # The rollout's results and the controller's metrics and timeline from every process: one exchange.
-        results, parts = self.rollout.exchange(results, dict(metrics=metrics, timeline=timeline, t0=t0_unix))
+        results, parts = self.rollout.exchange(results, dict(metrics=metrics, timeline=timeline, t0=t0_unix,
+                                                             released=released["t"]))
         if self.rollout.across_processes:
             metrics, timeline = merge_processes(metrics, parts)
+        # The first process to let its deferred compiles go, after the last shard anywhere ended (>= 0: none compiled
+        # while a slice anywhere still decoded).
+        metrics["controller/compile_release_s"] = min(p["released"] + p["t0"] for p in parts) - parts[0]["t0"] \
+            - metrics["controller/rollout_s"]
         dispatch = now()
         if training:  # every process's replicas averaged on the devices (one collective), dispatched
             self.trainer.average()
