@@ -4,17 +4,18 @@ Runs the main job on configs/tiny_tlt.py (two slices, long-tailed answers, a fre
 some slice still decodes, no drafter steps after the rollout) in one process, and with ``--processes 2`` as two
 ``jax.distributed`` processes on this machine (launch/local.sh, one slice per process). Per RL step it reports
 ``drafter/critical_s`` (what drafter work added after the last slice anywhere finished: the drafter step or held-out
-scoring in flight, which ``controller/overhang_s`` measures alone, then dispatching the replicas' average, publishing,
-and any of the average still running when the rollout returns; work not yet started is dropped) against the run's
-mean drafter step (``drafter/step_s``, weighted by the steps), the drafter steps each slice got, and the accept length
-of every step. ``--static`` adds a one-process run whose drafter does not learn (``drafter.lr`` = 1e-12: Adam's steps of
-about 1e-12 leave the fresh drafter as it was), the baseline for the accept length.
+scoring in flight, which ``controller/overhang_s`` measures alone, then the replicas' average and publishing; work not
+yet started is dropped) against the run's mean drafter step (``drafter/step_s``, weighted by the steps), the drafter
+steps each slice got, and the accept length of every step. ``--static`` adds a one-process run whose drafter does not
+learn (``drafter.lr`` = 1e-12: Adam's steps of about 1e-12 leave the fresh drafter as it was), the baseline for the
+accept length.
 
-``--config`` / ``--set`` run another config the same way, e.g. the default run's SmolLM2 with two slices:
+``--config`` / ``--set`` run another config the same way, e.g. the default run's SmolLM2 with two slices (about 20
+minutes):
 
     python benchmarks/critical_path.py --steps 20 --processes 1,2 --static   # -> results/critical_path_tiny_tlt.json
     python benchmarks/critical_path.py --config configs/gsm8k.py --set rollout.num_slices=2 --set eval.every_steps=0 \
-        --steps 6 --processes 2 --out benchmarks/results/critical_path_smollm2_2proc.json
+        --steps 6 --processes 1,2 --out benchmarks/results/critical_path_smollm2.json
 """
 
 from __future__ import annotations

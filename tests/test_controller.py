@@ -297,12 +297,17 @@ def test_controller_trains_on_the_idle_slice(model, two, tmp_path):
     top1 = drafter_loss(nnx.merge(trainer.graphdef, before), rollout.policy(0), batch, trainer.loss_cfg)[1].top1
     assert m[HELDOUT] == pytest.approx(float(top1), abs=1e-6)
     assert batch.next_tokens.shape == (4, 16) and 0 < float(batch.loss_mask.sum()) <= 6 * 4  # slice 0's responses
-    calls = []
-    res2, m2 = ctl.run_step(2, PROMPTS, params, on_chunk=lambda f, a: calls.append((f, a)), wait_for_drafter=False)
-    assert "drafter/replicas" not in m2  # the average was dispatched; its figures are read afterwards
-    m2.update(trainer.step_metrics())
-    assert trainer.averaged_after(time.perf_counter()) == 0.0 and trainer.step_metrics() == {
-        k: m2[k] for k in trainer.step_metrics()}  # read once, then the same figures
+    calls, releases, release = [], [], rollout.release
+
+    def spy_release(pools):  # deferred compiles go only once the drafter's average is read and nothing is in flight
+        releases.append((trainer._pending["metrics"] is not None, dict(trainer.replicas), ctl.scheduler.training()))
+        return release(pools)
+
+    rollout.release = spy_release
+    res2, m2 = ctl.run_step(2, PROMPTS, params, on_chunk=lambda f, a: calls.append((f, a)))
+    del rollout.release
+    assert releases == [(True, {}, [])] and m2["controller/compile_release_s"] >= 0
+    assert trainer.step_metrics() == {k: m2[k] for k in trainer.step_metrics()}  # the average's, read once
     assert all(f + a == 10 for f, a in calls) and calls[-1] == (10, 0)
     assert [f for f, _ in calls] == sorted(f for f, _ in calls)
     assert res.tokens == want.tokens and res2.tokens == want.tokens  # the controller changes nothing sampled

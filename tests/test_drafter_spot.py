@@ -209,29 +209,3 @@ def test_average_is_one_all_reduce_exact_for_counters_and_read_later(monkeypatch
     avg, meta = merger(same, {}, {}, {})  # none trained: every slice keeps its (equal) copy
     assert merger.read(meta) == ({}, {})
     assert float(np.asarray(avg[1]["w"])[0, 0]) == 7.0 and int(avg[0]["count"]) == -5
-
-
-def test_the_average_watcher_ends_with_its_trainer(setup):
-    """The thread that notes when each average is done is one per trainer, sees every average, and does not keep a
-    dropped trainer (and its replicas on the devices) alive."""
-    import gc
-    import time
-    import weakref
-
-    from tlt_jax.drafter.spot import dummy_batch
-
-    model, buf, _, _ = setup
-    meshes = split_mesh(make_mesh(MeshConfig(data=2), jax.devices()[:2]), 2)
-    policies = [shard_module(model, m) for m in meshes]
-    t = SpotTrainer(EagleDrafter(model.config, rngs=nnx.Rngs(3)), meshes, lambda s: policies[s])
-    for step in (1, 2):
-        t.begin_step(step)
-        t.train_step(step - 1, dummy_batch(2, 16, model.config.hidden_size))
-        t.average()
-        assert t.step_metrics()["drafter/steps"] == 1.0 and t.averaged_after(time.perf_counter()) == 0.0
-    watcher, ref = t._watcher, weakref.ref(t)
-    assert watcher.is_alive() and watcher.name == "drafter-average"
-    del t
-    gc.collect()
-    watcher.join(timeout=10)
-    assert ref() is None and not watcher.is_alive()

@@ -84,12 +84,11 @@ class Controller:
 
     def run_step(self, step: int, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  request_ids: Sequence[int] | None = None,
-                 on_chunk: Callable[[int, int], None] | None = None,
-                 wait_for_drafter: bool = True) -> tuple[RolloutResult, dict[str, float]]:
+                 on_chunk: Callable[[int, int], None] | None = None) -> tuple[RolloutResult, dict[str, float]]:
         """Roll out ``prompts`` over all slices, training the drafter on idle ones; returns (result, metrics).
         on_chunk(finished, active): rollout progress summed over this process's slices (see SlicedRollout.generate).
-        The drafter replicas' average is dispatched last; with wait_for_drafter the metrics include its figures
-        (``SpotTrainer.step_metrics``), otherwise the caller reads them later, while the RL step goes on.
+        The drafter replicas' average comes last, and is waited for (its figures are in the metrics): only then do
+        this process's deferred compiles start, so they slow neither the drafter work in flight nor the average.
         Across processes every process calls it with the same arguments; each runs its own slices and learns from the
         board when the others' finish, so its idle slices train while any slice anywhere decodes."""
         jobs = self.rollout.jobs(prompts, params, request_ids)
@@ -127,16 +126,12 @@ class Controller:
         def preempt() -> None:
             """The rollout is over everywhere (so all that is left in flight is drafter work): what still waits for its
             slice's thread (a scoring queued behind a drafter step, or a step behind a scoring) is not started, so at
-            most the work in flight ends; this process's deferred compiles start (not before: their tracing holds the
-            GIL and the host's cores, which this process's drafter steps and its notices of the others' ends need)."""
+            most the work in flight ends."""
             if not sched.busy():
                 for fut in list(inflight):
                     fut.cancel()
-                self.rollout.release(held)
-                released.setdefault("t", now())
 
         stop_watching = threading.Event()
-        released: dict[str, float] = {}  # when this process's deferred compiles were let go
 
         def watch(s: int) -> None:
             """Another process's slice ``s``: an event as soon as its end is posted on the board."""
@@ -146,7 +141,10 @@ class Controller:
         for s in sorted(remote):
             threading.Thread(target=watch, args=(s,), name=f"board-slice{s}", daemon=True).start()
 
-        held = self.rollout.hold_compiles()  # released once every slice anywhere has finished its share
+        # Released once every slice anywhere has finished its share and the drafter's average is done: their tracing
+        # holds the GIL and the host's cores, which drafter steps, the notices of other processes' ends and the average
+        # need.
+        held = self.rollout.hold_compiles()
         for j in mine:
             submit("rollout", j.slice, self.rollout.run_job, j, hooks[j.slice])
         dispatch(sched.poll(0.0, training and self.buffer.ready()))  # slices with no prompt, previous-step data
@@ -201,8 +199,6 @@ class Controller:
             if training:
                 self.trainer.replicas.clear()
             raise error
-        self.rollout.release(held)  # (already, unless no slice had a share)
-        released.setdefault("t", now())
         metrics = sched.finish(now())  # the drafter work in flight at the rollout's end has ended
         if self.cfg.hot_swap:
             metrics["controller/hot_swaps"] = float(swaps)
@@ -212,27 +208,23 @@ class Controller:
             metrics["drafter/buffer_tokens"] = float(sum(s.ids.size for s in self.buffer.samples))
             metrics["drafter/dropped"] = float(self.buffer.dropped)
         # The rollout's results and the controller's metrics and timeline from every process: one exchange.
-        results, parts = self.rollout.exchange(results, dict(metrics=metrics, timeline=timeline, t0=t0_unix,
-                                                             released=released["t"]))
+        results, parts = self.rollout.exchange(results, dict(metrics=metrics, timeline=timeline, t0=t0_unix))
         if self.rollout.across_processes:
             metrics, timeline = merge_processes(metrics, parts)
-        # The first process to let its deferred compiles go, after the last shard anywhere ended (>= 0: none compiled
-        # while a slice anywhere still decoded).
-        metrics["controller/compile_release_s"] = min(p["released"] + p["t0"] for p in parts) - parts[0]["t0"] \
-            - metrics["controller/rollout_s"]
-        dispatch = now()
-        if training:  # every process's replicas averaged on the devices (one collective), dispatched
+        averaging = now()
+        if training:  # every process's replicas averaged on the devices (one collective), waited for
             self.trainer.average()
-        went_on = now()
+            metrics.update(self.trainer.step_metrics())
+        self.rollout.release(held)
+        released = now()
+        # When this process let its deferred compiles go, after the last shard anywhere ended (on the first process's
+        # clock, as the merged rollout_s; >= 0: none compiled while a slice anywhere still decoded).
+        metrics["controller/compile_release_s"] = released + t0_unix - parts[0]["t0"] - metrics["controller/rollout_s"]
         # Drafter work after the last shard anywhere ended: the work in flight on any process (the merged
         # ``controller/overhang_s``: the latest end of a process's loop after the last shard, so a step still running on
-        # a process whose own slices ended early counts too), then dispatching the average (not the exchange, which is
-        # the rollout's). The average runs on while the RL step goes on; what of it runs past the caller's going on
-        # counts too (``SpotTrainer.averaged_after``). ControlledRollout adds publishing.
-        self.drafter_critical_s = metrics["controller/overhang_s"] + went_on - dispatch
-        if training and wait_for_drafter:
-            metrics.update(self.trainer.step_metrics())
-            self.drafter_critical_s += self.trainer.averaged_after(t0 + went_on)
+        # a process whose own slices ended early counts too), then the average (not the exchange, which is the
+        # rollout's). ControlledRollout adds publishing.
+        self.drafter_critical_s = metrics["controller/overhang_s"] + released - averaging
         self._write_timeline(step, t0_unix, timeline)
         result = merge_results(len(prompts), jobs, [results[j.slice] for j in jobs])
         return result, metrics

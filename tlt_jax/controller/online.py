@@ -38,8 +38,6 @@ class ControlledRollout:
         self.buffer: DrafterBuffer | None = controller.buffer
         self._step: int | None = None
         self._metrics: dict[str, float] = {}
-        self._drafter_unread = False  # the last training rollout's drafter figures are still to be read
-        self._critical_s, self._went_on = 0.0, 0.0
 
     # ---- the engine surface the learner uses -----------------------------------------------------------------
 
@@ -82,44 +80,33 @@ class ControlledRollout:
 
     def begin(self, step: int) -> None:
         """The next generate call is RL step ``step``'s rollout (controller-driven, drafter training)."""
-        self._step, self._metrics, self._drafter_unread = int(step), {}, False
+        self._step, self._metrics = int(step), {}
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, request_ids=None,
                  on_chunk=None) -> RolloutResult:
         if self._step is None:
             return self.rollout.generate(prompts, params, request_ids=request_ids, on_chunk=on_chunk)
         step, self._step = self._step, None
-        res, m = self.controller.run_step(step, prompts, params, request_ids=request_ids, on_chunk=on_chunk,
-                                          wait_for_drafter=False)
+        res, m = self.controller.run_step(step, prompts, params, request_ids=request_ids, on_chunk=on_chunk)
         self._metrics = m
         if self.trainer is not None:
             t = time.perf_counter()
-            self.publish_drafter()  # the averaged copies, where they lie (the average may still be running)
-            self._went_on = time.perf_counter()
-            self._critical_s = self.controller.drafter_critical_s + self._went_on - t
-            self._drafter_unread = True
-        return res
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        """The last training rollout's metrics. With a drafter, the first read adds its figures, waiting for the
-        replicas' average if it still runs (the main loop reads them after the policy update, so it has ended)."""
-        if self._drafter_unread:
-            self._drafter_unread = False
-            m, critical = self._metrics, self._critical_s
-            if self.controller.cfg.train_drafter:
-                m.update(self.trainer.step_metrics())
-                critical += self.trainer.averaged_after(self._went_on)
+            self.publish_drafter()  # the averaged copies, where they lie
             m.setdefault("drafter/loss", float("nan"))
             m.setdefault("drafter/step_s", float("nan"))
             m["drafter/train_top1"] = m.pop("drafter/top1", float("nan"))
             # Top-1 agreement with the policy of the drafter that drafted this rollout, on the step's own responses
             # (which it never trained on): evaluated during the rollout by a slice that had finished (Controller).
             m["drafter/top1"] = m.pop(HELDOUT, float("nan"))
-            # What drafter work added to the RL step: from the last shard's end, the drafter steps still in flight,
-            # dispatching the replicas' average, publishing, and any of the average that ran past the rollout's return
-            # (not the exchange of the rollout's results between processes, which is the rollout's).
-            m["drafter/critical_s"] = critical
+            # What drafter work added to the RL step: from the last shard's end, the drafter steps still in flight, the
+            # replicas' average and publishing (not the exchange of the rollout's results between processes, which is
+            # the rollout's).
+            m["drafter/critical_s"] = self.controller.drafter_critical_s + time.perf_counter() - t
+        return res
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The last training rollout's metrics (with a drafter, its figures too)."""
         return self._metrics
 
     def compile(self) -> None:

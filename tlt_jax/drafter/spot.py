@@ -4,9 +4,9 @@ Within an RL step every slice that trains starts a replica from its copy of the 
 AdamW state, kept on the slice's devices) and steps it on its own sub-mesh, with no collective across slices; which
 slices train, and for how many steps, changes nothing compiled. At the step boundary the replicas that trained are
 averaged on the devices, every process's at once (``replicas.ReplicaMerger``: float leaves a mean, integer counters
-the max), and every slice's copy becomes that average: the state never goes through the host between steps. The
-average is dispatched, not waited for: the RL step goes on while it runs, and its figures are read later. Keys
-and batches depend only on (RL step, slice, local step), so the same dispatch decisions give the same weights.
+the max), and every slice's copy becomes that average: the state never goes through the host between steps.
+``step_metrics`` waits for the average and reads the step's figures. Keys and batches depend only on (RL step,
+slice, local step), so the same dispatch decisions give the same weights.
 
 The held-out top-1 (``evaluate``) of the drafter a rollout drafts with runs on a slice that is idle anyway, and its
 value travels to every process with the step's average. The drafter/train.py names used here (DrafterLossConfig,
@@ -16,10 +16,8 @@ DrafterOptimConfig, DrafterTrainState, make_drafter_train_step) are all imported
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -110,9 +108,6 @@ class SpotTrainer:
         self.step_seconds: dict[int, float] = {}  # per slice, this RL step's drafter steps' wall seconds
         self.heldout: dict[int, jax.Array] = {}  # this RL step's held-out top-1 per slice that evaluated (on device)
         self._pending: dict[str, Any] | None = None  # the last average's table, total step count and metrics
-        self.averaged_at: float | None = None
-        self._averages: queue.SimpleQueue = queue.SimpleQueue()  # dispatched averages, for the watcher thread
-        self._watcher: threading.Thread | None = None
 
     @property
     def num_slices(self) -> int:
@@ -190,8 +185,7 @@ class SpotTrainer:
     def average(self) -> None:
         """Average the replicas that trained (every process's: all call it at once) into every slice's copy of the
         current state, on the devices. Only dispatched: drafter steps, publishing and checkpoints use the copies where
-        they lie, and ``step_metrics`` reads the step's figures. ``averaged_at`` becomes the ``time.perf_counter()``
-        at which the program was seen done (by a waiting thread, or by ``step_metrics``)."""
+        they lie, and ``step_metrics`` waits for it and reads the step's figures."""
         with self._lock:
             reps, steps = dict(self.replicas), dict(self.local_steps)
             logs, heldout = jax.device_get((self.logs, self.heldout))  # one read: every slice's metric sums
@@ -202,32 +196,17 @@ class SpotTrainer:
         states = {s: reps.get(s, self._placed[s]) for s in self.slices}
         self._placed, meta = self._merger(states, {s: s in reps for s in self.slices}, steps, sums)
         self._pending = dict(meta=meta, total=self._placed[self.slices[0]].step, metrics=None)
-        self.averaged_at = None
-        if self._watcher is None:  # one thread for the trainer's life (it ends when the trainer is collected)
-            self._watcher = threading.Thread(target=_watch_averages, args=(self._averages, weakref.ref(self)),
-                                             name="drafter-average", daemon=True)
-            self._watcher.start()
-            weakref.finalize(self, self._averages.put, None)
-        self._averages.put(self._pending)
-
-    def _averaged(self, pending: dict) -> None:
-        """The watcher saw ``pending``'s average done (``averaged_at``, if it is still the last one)."""
-        with self._lock:
-            if pending is self._pending and self.averaged_at is None:
-                self.averaged_at = time.perf_counter()
 
     def step_metrics(self) -> dict[str, float]:
         """The last ``average``'s RL-step metrics over all slices (``HELDOUT``: NaN when no slice evaluated); the
-        first call waits for the program."""
+        first call waits for the average (every local slice's copy)."""
         pending = self._pending
         if pending is None:
             raise RuntimeError("SpotTrainer.step_metrics: no average yet (call average or end_step first)")
         if pending["metrics"] is None:
             steps, sums = self._merger.read(pending["meta"])
             total = float(jax.device_get(pending["total"]))
-            with self._lock:
-                if self.averaged_at is None:
-                    self.averaged_at = time.perf_counter()
+            jax.block_until_ready(self._placed)
             n, evaluated = sum(steps.values()), sum(v[-1] for v in sums.values())
             out = {"drafter/steps": float(n), "drafter/replicas": float(len(steps)), "drafter/total_steps": total,
                    HELDOUT: sum(v[-2] for v in sums.values()) / evaluated if evaluated else float("nan")}
@@ -236,13 +215,6 @@ class SpotTrainer:
                 out["drafter/step_s"] = sum(v[len(LOGGED)] for v in sums.values()) / n  # wall, on its slice's thread
             pending["metrics"] = out
         return dict(pending["metrics"])
-
-    def averaged_after(self, t: float) -> float:
-        """Seconds the last average ran past ``t`` (a ``time.perf_counter()``; 0 when it was done by then), once
-        ``step_metrics`` has read it."""
-        if self.averaged_at is None:
-            raise RuntimeError("SpotTrainer.averaged_after: read the average first (step_metrics)")
-        return max(0.0, self.averaged_at - t)
 
     def train_steps(self, s: int, batches: Callable[[int], DrafterBatch], n: int) -> list[dict[str, float]]:
         """``n`` steps on slice ``s`` with ``batches(k)`` as the k-th batch (single slice, no idle time: run after
@@ -303,19 +275,6 @@ class SpotTrainer:
     def export(self, path) -> None:
         """Write the current drafter in the EAGLE/SGLang layout (see ``export_eagle``)."""
         export_eagle(self.drafter(), path)
-
-
-def _watch_averages(averages: queue.SimpleQueue, trainer: weakref.ref) -> None:
-    """A trainer's watcher thread: notes when each dispatched average is done (only timing: a failed program raises
-    in ``step_metrics``' read); None ends it."""
-    while (pending := averages.get()) is not None:
-        try:
-            jax.block_until_ready(pending["meta"])
-        except Exception:  # noqa: BLE001
-            continue
-        if (t := trainer()) is not None:
-            t._averaged(pending)
-            del t
 
 
 def keyed_step(step, seed: int):
