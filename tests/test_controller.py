@@ -333,6 +333,17 @@ def test_controller_trains_on_the_idle_slice(model, two, tmp_path):
     assert not trainer.replicas
     _, m4 = ctl.run_step(4, PROMPTS, params)
     assert m4["drafter/total_steps"] == m2["drafter/total_steps"] + m4["controller/train_steps"]
+    # An average that fails: the error surfaces and the deferred compiles are still let go.
+
+    def failing_average():
+        raise RuntimeError("the average failed")
+
+    releases.clear()
+    rollout.release, trainer.average = spy_release, failing_average
+    with pytest.raises(RuntimeError, match="the average failed"):
+        ctl.run_step(5, PROMPTS, params)
+    del rollout.release
+    assert len(releases) == 1
 
 
 def test_drafter_work_not_started_when_the_rollout_ends_is_dropped(model, two):

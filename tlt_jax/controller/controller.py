@@ -207,15 +207,17 @@ class Controller:
             metrics.update(self.buffer.stats())
             metrics["drafter/buffer_tokens"] = float(sum(s.ids.size for s in self.buffer.samples))
             metrics["drafter/dropped"] = float(self.buffer.dropped)
-        # The rollout's results and the controller's metrics and timeline from every process: one exchange.
-        results, parts = self.rollout.exchange(results, dict(metrics=metrics, timeline=timeline, t0=t0_unix))
-        if self.rollout.across_processes:
-            metrics, timeline = merge_processes(metrics, parts)
-        averaging = now()
-        if training:  # every process's replicas averaged on the devices (one collective), waited for
-            self.trainer.average()
-            metrics.update(self.trainer.step_metrics())
-        self.rollout.release(held)
+        try:  # (the compiles go even if the exchange or the average fails: a pool left held would never compile)
+            # The rollout's results and the controller's metrics and timeline from every process: one exchange.
+            results, parts = self.rollout.exchange(results, dict(metrics=metrics, timeline=timeline, t0=t0_unix))
+            if self.rollout.across_processes:
+                metrics, timeline = merge_processes(metrics, parts)
+            averaging = now()
+            if training:  # every process's replicas averaged on the devices (one collective), waited for
+                self.trainer.average()
+                metrics.update(self.trainer.step_metrics())
+        finally:
+            self.rollout.release(held)
         released = now()
         # When this process let its deferred compiles go, after the last shard anywhere ended (on the first process's
         # clock, as the merged rollout_s; >= 0: none compiled while a slice anywhere still decoded).
