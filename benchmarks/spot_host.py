@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from tlt_jax.distributed import MeshConfig, make_mesh, split_mesh
+from tlt_jax.distributed import MeshConfig, make_mesh, engine_meshes
 from tlt_jax.drafter import DrafterOptimConfig, EagleDrafter
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.spot import SpotTrainer
@@ -42,7 +42,7 @@ def main() -> None:
     if len(jax.devices()) < 2:
         raise SystemExit("needs 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=2")
     model = CausalLM(tiny_config(), rngs=nnx.Rngs(0))
-    meshes = split_mesh(make_mesh(MeshConfig(data=2), jax.devices()[:2]), 2)
+    meshes = engine_meshes(make_mesh(MeshConfig(data=2), jax.devices()[:2]), 2)
     drafter = EagleDrafter(model.config, rngs=nnx.Rngs(7))
     engines = [RolloutEngine(model, m, max_batch=8, max_len=64, drafter=drafter, capture=HiddenCapture(window=16),
                              spec=SpecConfig(depth=3, topk=2, verify_tokens=6)) for m in meshes]

@@ -7,7 +7,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from tlt_jax.distributed import MeshConfig, make_mesh, shard_module, split_mesh
+from tlt_jax.distributed import MeshConfig, make_mesh, shard_module, engine_meshes
 from tlt_jax.drafter import DrafterLossConfig, DrafterOptimConfig, EagleDrafter, drafter_loss, import_eagle
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.spot import SpotTrainer, average_states
@@ -28,7 +28,7 @@ def setup():
     buf = DrafterBuffer(max_bytes=2**22)
     buf.start_step(1)
     assert buf.add_result(prompts, res) == 16
-    meshes = split_mesh(make_mesh(MeshConfig(data=2), jax.devices()[:2]), 2)  # one device per slice (fast)
+    meshes = engine_meshes(make_mesh(MeshConfig(data=2), jax.devices()[:2]), 2)  # one device per slice (fast)
     policies = [shard_module(model, m) for m in meshes]
     t = SpotTrainer(EagleDrafter(model.config, rngs=nnx.Rngs(7)), meshes, lambda s: policies[s],
                     optim=DrafterOptimConfig(learning_rate=3e-3))
@@ -175,7 +175,7 @@ def test_average_is_one_all_reduce_exact_for_counters_and_read_later(monkeypatch
 
     from tlt_jax.drafter.replicas import ReplicaMerger
 
-    meshes = split_mesh(make_mesh(MeshConfig(data=2), jax.devices()[:2]), 2)
+    meshes = engine_meshes(make_mesh(MeshConfig(data=2), jax.devices()[:2]), 2)
     merger = ReplicaMerger(meshes, {"w": PartitionSpec(), "count": PartitionSpec()}, 2)
     put = lambda s, v: jax.device_put(v, NamedSharding(meshes[s], PartitionSpec()))  # noqa: E731
     big = [2**24 + 1, 2**30 + 3]

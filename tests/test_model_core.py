@@ -127,11 +127,11 @@ def test_rules_reject_two_logical_axes_on_one_mesh_axis():
 
 
 def test_mesh_config_errors_and_slices():
-    from tlt_jax.distributed import split_mesh
+    from tlt_jax.distributed import engine_meshes
 
     with pytest.raises(ValueError, match="needs 6 devices"):
         make_mesh(MeshConfig(data=3, fsdp=2, tensor=1))
     mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
-    slices = split_mesh(mesh, 2)
+    slices = engine_meshes(mesh, 2)
     assert [s.devices.size for s in slices] == [4, 4]
     assert set(slices[0].devices.flat).isdisjoint(set(slices[1].devices.flat))

@@ -213,8 +213,7 @@ exact = reduce_metrics({"response/len_p90": 8.6})["response/len_p90"] == 8.6  # 
 # Sliced rollouts across processes: the board, process-local copies of sharded weights, the replicas' average.
 import time
 from tlt_jax.distributed.board import Board
-from tlt_jax.distributed.multihost import process_local
-from tlt_jax.distributed import split_mesh
+from tlt_jax.distributed import engine_meshes
 from tlt_jax.drafter.replicas import ReplicaMerger
 board = Board("test")
 board.post(f"7/{me}")
@@ -227,10 +226,20 @@ stop = threading.Event()
 stop.set()
 waited = [board.wait(f"7/{1 - me}", threading.Event()), board.wait("8/never", stop)]  # the other's key; a stop
 posted.append(waited)
-w = jax.device_put(np.arange(12.0).reshape(6, 2), NamedSharding(make_mesh(), PartitionSpec("data")))
-copy = process_local({"w": w, "n": 3})
-local_copy = [copy["w"].is_fully_addressable, np.asarray(copy["w"]).tolist(), copy["n"]]
-slices = split_mesh(make_mesh(), 2)  # one slice per process
+# the reshard: a policy FSDP-sharded over both processes into one bfloat16 engine per process, each assembled from
+# its own devices' shards of one program's output (no host copy)
+import jax.numpy as jnp
+from flax import nnx
+from tlt_jax.distributed import MeshConfig, shard_module
+from tlt_jax.models import CausalLM, tiny_config
+from tlt_jax.rollout.reshard import Resharder
+policy = shard_module(CausalLM(tiny_config(), rngs=nnx.Rngs(0)), make_mesh(MeshConfig(data=1, fsdp=-1)))
+copies = Resharder(engine_meshes(make_mesh(), 2), dict(dtype=jnp.bfloat16))(policy)
+q = nnx.state(copies[me])["layers"]["self_attn"]["q_proj"][...]
+q_ref = nnx.state(CausalLM(tiny_config(), rngs=nnx.Rngs(0)))["layers"]["self_attn"]["q_proj"][...]
+local_copy = [sorted(copies), q.is_fully_addressable, str(q.dtype),
+              bool(np.array_equal(np.asarray(q), np.asarray(q_ref.astype(jnp.bfloat16))))]
+slices = engine_meshes(make_mesh(), 2)  # one slice per process
 merger = ReplicaMerger(slices, {"p": PartitionSpec(), "count": PartitionSpec()}, 2)
 put = lambda v: jax.device_put(v, NamedSharding(slices[me], PartitionSpec()))
 state = {"p": put(np.full((2, 3), 0.5 + me, np.float32)), "count": put(np.array(5 * me, np.int32))}
@@ -258,8 +267,8 @@ print("RESULT " + json.dumps(dict(
 def test_host_collectives_on_two_processes():
     """Global batch = the unsharded pipeline's; each process scores only its prompts and all get every score;
     sharded arrays come to every host; metrics agree (time/* = slowest, float64 exact) and a divergence is an error;
-    the bandit's flags and seconds agree (not for a slice's own engine); the board, process-local weight copies and
-    the drafter replicas' average on the devices work across processes."""
+    the bandit's flags and seconds agree (not for a slice's own engine); the board, the reshard into one engine per
+    process and the drafter replicas' average on the devices work across processes."""
 
     p = subprocess.run(
         [str(LOCAL_SH), "-n", "2", "-d", "1", "--", sys.executable, "-c", HELPERS],
@@ -288,7 +297,7 @@ def test_host_collectives_on_two_processes():
     # the replicas' average on its own slice (only process 1's slice trained, then both) with each slice's step
     # count and metric sums
     assert r0["posted"] == r1["posted"] == ["0", "1", [True, False]]  # a key seen by keys() and wait()
-    assert r0["local_copy"] == r1["local_copy"] == [True, np.arange(12.0).reshape(6, 2).tolist(), 3]
+    assert r0["local_copy"] == [[0], True, "bfloat16", True] and r1["local_copy"] == [[1], True, "bfloat16", True]
     assert r0["counters"] == r1["counters"] == [1, 0, 32 + 2**20]  # init_train_state across processes
     assert r0["exchanged"] == r1["exchanged"] == [np.full((2, 3), 1.5).tolist(), 5, True, {"1": 4},
                                                   {"1": [2.0, 0.5]}, 1.0]
@@ -370,31 +379,31 @@ def test_two_processes_match_one_and_resume_on_another_count(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_tlt_slices_across_two_processes(tmp_path):
-    """configs/tiny_tlt.py with one rollout slice per process (launch/local.sh -n 2 -d 4): the RL metrics are those
-    of 1 process x 8 devices with the same two slices; in every step one process's slice trains the drafter while
+    """configs/tiny_tlt.py with one rollout engine per tensor-parallel group (mesh.tensor 2, rollout.num_slices -1),
+    2 processes x 2 devices (launch/local.sh -n 2 -d 2), so one engine per process: the RL metrics are those of
+    1 process x 4 devices with the same two engines; in every step one process's engine trains the drafter while
     the other process's slice still decodes (the timeline names each slice's process); the replicas of both
     processes are averaged into one drafter; every process keeps its own drafter buffer in the checkpoint."""
-    from test_main import _cfg
-
     from tlt_jax.controller.controller import TIMELINE_FILE
-    from tlt_jax.main import run
 
     common = (
         "--config.train.num_steps=2",
         "--config.eval.at_start=False",
+        "--config.mesh.tensor=2",
+        "--config.rollout.num_slices=-1",
         "--config.data.prompts_per_step=4",
         "--config.rollout.samples_per_prompt=2",
         "--config.rl.micro_batch_size=8",
         "--config.data.eval_size=4",
         "--config.eval.batch_size=4",
+        "--config.metrics.progress_bars=False",
     )
     ref_dir, multi = tmp_path / "ref", tmp_path / "multi"
-    run(_cfg("tiny_tlt.py", *common), str(ref_dir))
-    cmd = [str(LOCAL_SH), "-n", "2", "-d", "4", "--", sys.executable, "-m", "tlt_jax.main"]
-    cmd += [f"--config={REPO / 'configs' / 'tiny_tlt.py'}", f"--workdir={multi}"]
-    cmd += ["--config.metrics.progress_bars=False"]
-    p = subprocess.run([*cmd, *common], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    for workdir, procs, devices in ((ref_dir, "1", "4"), (multi, "2", "2")):
+        cmd = [str(LOCAL_SH), "-n", procs, "-d", devices, "--", sys.executable, "-m", "tlt_jax.main"]
+        cmd += [f"--config={REPO / 'configs' / 'tiny_tlt.py'}", f"--workdir={workdir}"]
+        p = subprocess.run([*cmd, *common], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     ref, rows = _train_rows(ref_dir), _train_rows(multi)
     assert sorted(rows) == sorted(ref) == [1, 2]
     rl = ("reward/", "response/", "train/", "eval/")

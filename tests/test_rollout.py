@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from scipy import stats as sps
 
-from tlt_jax.distributed import MeshConfig, make_mesh, split_mesh
+from tlt_jax.distributed import MeshConfig, make_mesh, engine_meshes
 from tlt_jax.models import CausalLM, tiny_config
 from tlt_jax.rollout import HiddenCapture, RolloutEngine, SamplingParams, StepKey, StepPool
 
@@ -321,7 +321,7 @@ def test_two_mesh_slices_match_single_device():
     prompts = [[3, 4, 5, 6], [9, 8]]
     max_new = [11, 19]
     want = [ref.greedy(p, k) for p, k in zip(prompts, max_new, strict=True)]
-    slices = split_mesh(make_mesh(MeshConfig(data=2, fsdp=1, tensor=4)), 2)
+    slices = engine_meshes(make_mesh(MeshConfig(data=2, fsdp=1, tensor=4)), 2)
     # Slice 0: tensor-parallel over 4 devices. Slice 1: the same 4 devices as fsdp 2 x tensor 2 (batch sharded).
     slices[1] = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2), list(slices[1].devices.flat))
     engines = [

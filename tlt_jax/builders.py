@@ -189,7 +189,7 @@ def build_engine(cfg, model, mesh, data: Data, workdir: str | None = None):
     """The rollout engine on the training mesh (colocated). With ``rollout.speculative`` "ngram" or "eagle" (the
     drafter loaded from ``rollout.drafter_path``, fixed for the run unless ``drafter.online``) it decodes
     speculatively once a wave has at most ``rollout.spec_threshold`` live rows, with the ``rollout.spec_*`` tree
-    shape. With ``rollout.num_slices`` > 1 or ``drafter.online``: a ControlledRollout (see build_controlled)."""
+    shape. With ``rollout.num_slices`` != 1 or ``drafter.online``: a ControlledRollout (see build_controlled)."""
     import jax
     import jax.numpy as jnp
 
@@ -219,7 +219,7 @@ def build_engine(cfg, model, mesh, data: Data, workdir: str | None = None):
                   layers=r.layer_layout(jax.default_backend()))
     if r.dtype:
         kwargs["dtype"] = jnp.dtype(r.dtype)
-    if r.num_slices > 1 or cfg.drafter.online:
+    if r.num_slices != 1 or cfg.drafter.online:
         from tlt_jax.controller.online import build_controlled
 
         return build_controlled(cfg, model, mesh, kwargs, workdir)

@@ -53,7 +53,10 @@ class RolloutConfig:
     # "stacked" (scanned, as the trainer holds them), "unstacked" (one array per layer, the layers run unrolled: on
     # GPU no per-step copies of stacked weight slices) or "auto" (unstacked on GPU, stacked elsewhere).
     layers: str = "auto"
-    num_slices: int = 1  # split the mesh's data axis into this many rollout slices (one engine each; see drafter)
+    # Rollout engines (slices): the mesh's data x fsdp groups split into this many engines, each on whole tensor-parallel
+    # groups with its own requests, KV cache and host loop; -1: one engine per tensor-parallel group (a pod's layout:
+    # no rollout step has a collective outside its TP group). Idle engines train the drafter (see drafter).
+    num_slices: int = 1
     # speculative="adaptive": a bandit per batch bucket picks one of spec_arms (comma-separated: "off" = plain, and
     # "ngram:DxKxN" / "eagle:DxKxN" tree shapes; eagle needs drafter_path) per chunk from measured tokens/s; epsilon:
     # exploration; window: round trips of its median; patience: chunks under spec_threshold before speculating;
@@ -99,7 +102,8 @@ class RolloutConfig:
             f"must be in [2, {top}] (1 + spec_topk + (spec_depth - 1) * spec_topk^2 for spec_depth={self.spec_depth}, "
             f"spec_topk={self.spec_topk}), got {self.spec_verify_tokens}; lower it or raise spec_depth / spec_topk",
         )
-        _require(self.num_slices >= 1, f"{key}.num_slices", f"must be >= 1, got {self.num_slices}")
+        _require(self.num_slices >= 1 or self.num_slices == -1, f"{key}.num_slices",
+                 f"must be >= 1 engines, or -1 for one per tensor-parallel group; got {self.num_slices}")
         _require(self.samples_per_prompt >= 2, f"{key}.samples_per_prompt", "GRPO groups need >= 2 samples")
         _require(self.temperature > 0, f"{key}.temperature", "must be > 0 for training rollouts")
         why = (

@@ -180,7 +180,7 @@ class ControlledRollout:
 
 
 def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None):
-    """``rollout.num_slices`` engines on disjoint slices of the mesh's data axis, driven by the Controller (which
+    """``rollout.num_slices`` engines on disjoint tensor-parallel groups of the mesh, driven by the Controller (which
     writes workdir/timeline.jsonl); with ``drafter.online`` also the drafter buffer and spot trainer, the engines
     capturing the last ``drafter.window`` hidden states of every response (and up to ``drafter.prompt_context``
     positions of its prompt before a response that fits the window)."""
@@ -190,11 +190,6 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
     from tlt_jax.rollout import HiddenCapture
 
     r, d = cfg.rollout, cfg.drafter
-    if mesh.shape["data"] % r.num_slices:
-        raise ConfigError(
-            f"config.rollout.num_slices: {r.num_slices} does not divide the mesh's data axis ({mesh.shape['data']} "
-            "devices); pick a divisor or change mesh.data"
-        )
     if d.online:
         capture = HiddenCapture(window=d.window, max_bytes=d.buffer_bytes, prompt=d.prompt_context)
         engine_kwargs = dict(engine_kwargs, capture=capture)
@@ -202,8 +197,8 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
         rollout = SlicedRollout(model, mesh, r.num_slices, **engine_kwargs)
     except ValueError as e:
         raise ConfigError(f"config.rollout.num_slices: {e}") from e
-    ccfg = ControllerConfig(train_drafter=d.online, steps_without_idle=d.resolved_steps_without_idle(r.num_slices),
-                            row_len=d.row_len, rows=d.rows, hot_swap=d.hot_swap)
+    ccfg = ControllerConfig(train_drafter=d.online, row_len=d.row_len, rows=d.rows, hot_swap=d.hot_swap,
+                            steps_without_idle=d.resolved_steps_without_idle(rollout.num_slices))
     trainer = buffer = None
     if d.online:
         trainer = SpotTrainer(engine_kwargs["drafter"], {s: rollout.meshes[s] for s in rollout.local_slices},
@@ -228,8 +223,6 @@ class OnlineState:
     """The main loop's view of a ControlledRollout (sliced rollout / online drafter); inert for a plain engine."""
 
     def __init__(self, engine, mesh, workdir: str, primary: bool):
-        from tlt_jax.controller.online import ControlledRollout
-
         self.engine = engine
         self.ctl = engine if isinstance(engine, ControlledRollout) else None
         self.trainer = None if self.ctl is None else self.ctl.trainer
@@ -277,8 +270,6 @@ class OnlineState:
         """End of run: the adapted drafter in the EAGLE layout under workdir/drafter_eagle (process 0)."""
         if self.trainer is None or not self.primary:
             return None
-        from tlt_jax.controller.online import EXPORT_DIR
-
         path = os.path.join(self.workdir, EXPORT_DIR)
         self.trainer.export(path)
         return path

@@ -1,6 +1,6 @@
-"""Sliced rollout: the device mesh split into R disjoint slices, one RolloutEngine per slice, all decoding at once.
+"""Sliced rollout: the device mesh split into R disjoint engines (whole tensor-parallel groups), all decoding at once.
 
-Each slice holds its own copy of the policy (placed on the slice's sub-mesh by the engine) and decodes a contiguous
+Each slice holds its own copy of the policy (on the slice's sub-mesh, from one reshard program) and decodes a contiguous
 block of the step's prompts; a prompt's whole GRPO group stays on one slice. Every slice has one worker thread (JAX
 releases the GIL while a computation runs, so slices really overlap); the controller also runs drafter steps for a
 slice on that slice's thread, so a slice never does two things at once. Request ids default to the prompts' global
@@ -22,9 +22,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tlt_jax.adaptive.quiet import Activity
-from tlt_jax.distributed import split_mesh
-from tlt_jax.distributed.multihost import allgather_objects, process_local
+from tlt_jax.distributed import LogicalRules, engine_meshes
+from tlt_jax.distributed.multihost import allgather_objects
 from tlt_jax.rollout import RolloutEngine, RolloutResult, SamplingParams
+from tlt_jax.rollout.reshard import Resharder
 
 # Stats summed over slices when results are merged (the rest stay per slice in stats["slices"]).
 _SUMMED = ("total_tokens", "hidden_bytes", "hidden_dropped", "tail_seconds", "sd_on_seconds", "sd_off_seconds",
@@ -69,34 +70,37 @@ class SliceJob:
 
 
 class SlicedRollout:
-    """R rollout engines on disjoint slices of ``mesh`` (split along ``axis``, see ``split_mesh``).
+    """R rollout engines on disjoint groups of ``mesh``'s devices (``engine_meshes``: whole tensor-parallel groups
+    each; R = -1 gives one engine per group, a pod's layout).
 
     ``engine_kwargs`` go to every RolloutEngine (max_batch, max_len, capture, drafter, spec, ...); a HiddenCapture's
-    max_bytes applies per slice. An adaptive spec's bandit seed is made per slice (``slice_spec``).
+    max_bytes applies per slice. An adaptive spec's bandit seed is made per slice (``slice_spec``). The policy reaches
+    the engines through one compiled program per RL step (``Resharder``): its output is laid out so that every
+    device holds its own engine's shard, from which each engine's arrays are assembled without a copy.
 
-    Across processes (R > 1 in a multi-process job) every slice must lie on one process's devices (R a multiple of
-    the process count): each process builds and runs only its own slices' engines (``engines``: slice -> engine) on a
-    process-local copy of the policy, and the finished slices' results are exchanged (``exchange``), so every process
-    returns the same merged result. With R = 1 the one engine spans every process, as a single engine does.
+    Across processes (R > 1 in a multi-process job) every slice must lie on one process's devices: each process
+    builds and runs only its own slices' engines (``engines``: slice -> engine), and the finished slices' results are
+    exchanged (``exchange``), so every process returns the same merged result. With R = 1 the one engine spans every
+    process, as a single engine does.
     """
 
-    def __init__(self, model, mesh: Mesh, num_slices: int, *, axis: str = "data", **engine_kwargs: Any):
-        if num_slices < 1:
-            raise ValueError(f"num_slices must be >= 1, got {num_slices}")
-        self.meshes = split_mesh(mesh, num_slices, axis) if num_slices > 1 else [mesh]
+    def __init__(self, model, mesh: Mesh, num_slices: int, **engine_kwargs: Any):
+        self.meshes = engine_meshes(mesh, num_slices) if num_slices != 1 else [mesh]
+        num_slices = len(self.meshes)
         self.owners = [mesh_process(m) for m in self.meshes]
         self.across_processes = num_slices > 1 and jax.process_count() > 1
         if self.across_processes and None in self.owners:
             s = self.owners.index(None)
             raise ValueError(
                 f"slice {s} of {num_slices} spans devices of several processes; with {jax.process_count()} processes "
-                "the slices must be a multiple of the process count (each slice on one process's devices) or 1"
+                "each engine must lie on one process's devices (a tensor-parallel group inside a node), or use 1"
             )
-        me = jax.process_index()
-        self.local_slices = [s for s in range(num_slices) if not self.across_processes or self.owners[s] == me]
-        model = self._local(model)
+        layout = {k: engine_kwargs[k] for k in ("dtype", "attention_impl", "layers") if engine_kwargs.get(k)}
+        self.resharder = Resharder(self.meshes, layout, engine_kwargs.get("rules", LogicalRules()))
+        self.local_slices = self.resharder.local
+        copies = self.resharder(model)
         spec = engine_kwargs.pop("spec", None)
-        self.engines = {s: RolloutEngine(model, self.meshes[s], spec=slice_spec(spec, s), **engine_kwargs)
+        self.engines = {s: RolloutEngine(copies.pop(s), self.meshes[s], spec=slice_spec(spec, s), **engine_kwargs)
                         for s in self.local_slices}
         self.workers = {s: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"slice{s}")
                         for s in self.local_slices}
@@ -110,13 +114,6 @@ class SlicedRollout:
     def num_slices(self) -> int:
         return len(self.meshes)
 
-    def _local(self, model):
-        """The policy as this process's slices take it: a process-local copy across processes (a collective)."""
-        if not self.across_processes:
-            return model
-        graphdef, state = nnx.split(model)
-        return nnx.merge(graphdef, process_local(state))
-
     def policy(self, s: int):
         """The policy as a module on slice ``s``'s mesh (shares the engine's arrays: no copy); a slice of this
         process."""
@@ -124,10 +121,13 @@ class SlicedRollout:
         return nnx.merge(e.graphdef, e.params)
 
     def set_params(self, model) -> None:
-        """Publish new policy weights to every slice of this process (a collective across processes)."""
-        model = self._local(model)
+        """Publish new policy weights to every slice of this process (one compiled program over every slice's
+        devices: a collective across processes); the previous copies are dropped first."""
         for e in self.engines.values():
-            e.set_params(model)
+            e.params = None
+        copies = self.resharder(model)
+        for s, e in self.engines.items():
+            e.set_rollout_copy(copies[s])
 
     def set_drafter(self, drafter) -> None:
         """Publish new EAGLE drafter weights (host arrays) to every slice of this process (between generate calls)."""

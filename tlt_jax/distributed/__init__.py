@@ -1,7 +1,7 @@
 """Meshes, mesh slices, logical-axis sharding rules, and multi-process start-up (``runtime``) and host collectives
 (``multihost``)."""
 
-from tlt_jax.distributed.mesh import AXES, MeshConfig, make_mesh, single_device_mesh, split_mesh
+from tlt_jax.distributed.mesh import AXES, MeshConfig, engine_count, engine_meshes, make_mesh, single_device_mesh
 from tlt_jax.distributed.runtime import LaunchSpec, initialize, resolve_launch
 from tlt_jax.distributed.sharding import (
     DEFAULT_RULES,
@@ -26,6 +26,8 @@ __all__ = [
     "activation_sharding",
     "constrain",
     "decode_rules",
+    "engine_count",
+    "engine_meshes",
     "init_sharded",
     "initialize",
     "logical_sharding",
@@ -34,7 +36,6 @@ __all__ = [
     "resolve_launch",
     "shard_module",
     "single_device_mesh",
-    "split_mesh",
     "state_shardings",
     "with_activations",
 ]

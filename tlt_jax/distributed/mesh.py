@@ -47,10 +47,27 @@ def single_device_mesh(device=None) -> Mesh:
     return make_mesh(MeshConfig(1, 1, 1), [device or jax.devices()[0]])
 
 
-def split_mesh(mesh: Mesh, num_slices: int, axis: str = "data") -> list[Mesh]:
-    """Disjoint sub-meshes along ``axis`` (each keeps the same axis names): one rollout engine per slice."""
-    size = mesh.shape[axis]
-    if size % num_slices:
-        raise ValueError(f"mesh axis {axis!r} of size {size} cannot be split into {num_slices} slices")
-    i = mesh.axis_names.index(axis)
-    return [Mesh(d, mesh.axis_names) for d in np.split(mesh.devices, num_slices, axis=i)]
+def engine_count(mesh: Mesh, num_engines: int) -> int:
+    """``num_engines`` resolved: -1 is one engine per tensor-parallel group (devices / ``tensor``)."""
+    groups = mesh.size // mesh.shape["tensor"]
+    n = groups if num_engines == -1 else int(num_engines)
+    if n < 1 or groups % n:
+        raise ValueError(
+            f"{num_engines} rollout engines do not split the mesh's {groups} tensor-parallel groups (data x fsdp = "
+            f"{mesh.shape['data']} x {mesh.shape['fsdp']}); use a divisor of {groups}, or -1 for one engine per group"
+        )
+    return n
+
+
+def engine_meshes(mesh: Mesh, num_engines: int) -> list[Mesh]:
+    """Disjoint sub-meshes for ``num_engines`` rollout engines (-1: one per tensor-parallel group), each a whole number
+    of the mesh's tensor-parallel groups (a TP group is never split). The data x fsdp groups are taken in the mesh's
+    order (data-major: with an HSDP mesh, whose fsdp axis runs inside a node, an engine's devices share a node), and
+    each engine's groups are laid along its ``data`` axis: its mesh is (groups, 1, tensor) with the same axis names,
+    so the logical rules apply unchanged (its batch over its data axis, heads over its tensor axis)."""
+    n = engine_count(mesh, num_engines)
+    t = mesh.shape["tensor"]
+    order = [mesh.axis_names.index(a) for a in AXES]
+    groups = np.transpose(mesh.devices, order).reshape(-1, t)  # [data * fsdp, tensor]
+    per = groups.shape[0] // n
+    return [Mesh(groups[e * per:(e + 1) * per].reshape(per, 1, t), AXES) for e in range(n)]

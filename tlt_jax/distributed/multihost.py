@@ -8,7 +8,6 @@ rows; these helpers assemble the global view. Every helper is a collective: all 
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,7 +22,6 @@ __all__ = [
     "gather_global_batch",
     "is_primary",
     "local_rows",
-    "process_local",
     "reduce_metrics",
     "to_host",
 ]
@@ -87,34 +85,6 @@ def to_host(x) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
-
-
-@functools.cache
-def _replicator(mesh):
-    """The compiled identity that replicates an array over ``mesh`` (one per mesh, recompiled per leaf shape)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-
-def process_local(tree):
-    """``tree`` with every leaf that spans several processes replaced by a whole copy on one of this process's devices
-    (a collective: every process calls it with the same tree). Leaves held whole here are returned as they are.
-
-    A rollout slice lives on one process's devices (``SlicedRollout`` across processes), while the trainer's arrays
-    are sharded over every process: each leaf is replicated by one compiled identity (a gather over the mesh), one leaf
-    at a time so at most one leaf's replica is alive beyond the model, and this process keeps its first device's
-    copy, which the slice's engine then lays out over its own devices."""
-    from jax.sharding import NamedSharding
-
-    def one(x):
-        if not isinstance(x, jax.Array) or x.is_fully_addressable:
-            return x
-        if not isinstance(x.sharding, NamedSharding):
-            raise ValueError(f"process_local: a leaf sharded by {type(x.sharding).__name__}; expected a NamedSharding")
-        return _replicator(x.sharding.mesh)(x).addressable_data(0)
-
-    return jax.tree.map(one, tree)
 
 
 def reduce_metrics(

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax.builders import eval_max_new_tokens, fresh_eagle_drafter, tiny_model_config
 from tlt_jax.config import Config, ConfigError
-from tlt_jax.distributed import LogicalRules, split_mesh, state_shardings
+from tlt_jax.distributed import LogicalRules, engine_meshes, state_shardings
 from tlt_jax.models import ModelConfig
 from tlt_jax.models.weights import abstract_model
 from tlt_jax.rl.learner import bucket_length
@@ -244,7 +244,7 @@ def abstract_engine(cfg: Config, policy: AbstractPolicy, mesh: Mesh, backend: st
     drafter = nnx.eval_shape(lambda: fresh_eagle_drafter(cfg, policy.config)) if needs_drafter else None
     d_graphdef, d_state = nnx.split(drafter) if needs_drafter else (None, None)
     try:
-        engine_mesh = split_mesh(mesh, r.num_slices)[0] if r.num_slices > 1 else mesh
+        engine_mesh = engine_meshes(mesh, r.num_slices)[0]
     except ValueError as e:
         raise ConfigError(f"config.rollout.num_slices: {e}") from e
     built = []

@@ -32,6 +32,7 @@ from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.params import HiddenCapture, RolloutResult, SamplingParams
 from tlt_jax.rollout.plan import reachable_plan
 from tlt_jax.rollout.pool import StepKey, StepPool
+from tlt_jax.rollout.reshard import Resharder
 from tlt_jax.rollout.run import OFF, GenerateRun
 from tlt_jax.rollout.spec_steps import SpecConfig, register_spec, resolve_drafter
 from tlt_jax.rollout.steps import StepContext, register_plain
@@ -128,6 +129,7 @@ class RolloutEngine:
         self.drafter_kind, self.spec, drafter = resolve_drafter(drafter, spec, cfg)
         self.param_rules = decode_rules(rules)  # weights split over "tensor" only: decode steps gather none
         self.graphdef, self.params = nnx.split(shard_module(model, self.mesh, self.param_rules))
+        self._resharder: Resharder | None = None  # made on the first set_params
         # Arms: "off" + the speculative arms (adaptive: the bandit's list); the tree shape of each verify step.
         self.arms = self.spec.engine_arms(self.drafter_kind) if self.spec else (Arm("off"),)
         self.arm_specs = {a: self.spec.for_arm(a) for a in self.arms if a.speculative}
@@ -170,9 +172,17 @@ class RolloutEngine:
     # ---- weights and compiled steps -------------------------------------------------------------------------
 
     def set_params(self, model: CausalLM) -> None:
-        """Publish new policy weights (same shapes): compiled steps stay valid."""
-        model = rollout_copy(model, **self.rollout_layout)  # rollout layout (issue 19)
-        graphdef, params = nnx.split(shard_module(model, self.mesh, self.param_rules))
+        """Publish new policy weights (same shapes): compiled steps stay valid. The trained model (any sharding over
+        this engine's devices) is cast and laid out by one compiled program (``Resharder``); the previous copy is
+        dropped first, so two copies are never alive together."""
+        if self._resharder is None:
+            self._resharder = Resharder([self.mesh], self.rollout_layout, self.rules)
+        self.params = None
+        self.set_rollout_copy(self._resharder(model)[0])
+
+    def set_rollout_copy(self, copy: CausalLM) -> None:
+        """Publish a model already in this engine's rollout layout on its mesh (``Resharder``'s output)."""
+        graphdef, params = nnx.split(copy)
         if graphdef != self.graphdef:
             raise ValueError("set_params: the new model's structure differs from the engine's model")
         self.params = params
