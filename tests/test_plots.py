@@ -81,3 +81,19 @@ def test_metrics_writer_logs_nan_as_null_and_leaves_it_off_tensorboard(tmp_path,
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert row["drafter/top1"] is None and row["reward/mean"] == 0.5
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_accept_length_plot_leaves_gaps_where_nothing_was_speculated(tmp_path):
+    """A step with no verify step reports accept length 0 by convention: the plot's series has a gap there (NaN),
+    and the held-out accept length alone still draws the plot."""
+    from tlt_jax.metrics.plots import accept_series
+
+    rows = [{"step": 1, "rollout/accept_length": 0.0, "rollout/verify_steps": 0},
+            {"step": 2, "rollout/accept_length": 2.5, "rollout/verify_steps": 3},
+            {"step": 3, "rollout/accept_length": 0.0, "rollout/verify_steps": 0}]
+    steps, acc = accept_series(rows)
+    assert steps == [1, 2, 3] and acc[1] == 2.5 and all(a != a for a in (acc[0], acc[2]))
+    wd = str(tmp_path)
+    _jsonl(os.path.join(wd, "metrics.jsonl"), [{"step": 4, "kind": "final", "eval/accuracy": 0.5,
+                                                "eval/accept_length": 3.0}])
+    assert os.path.basename(write_plots(wd)[-1]) == PLOT_FILES["accept"]

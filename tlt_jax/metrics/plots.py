@@ -107,15 +107,31 @@ def _plot_lengths(plt, rows, lengths, path) -> bool:
     return True
 
 
-def _plot_accept(plt, rows, path) -> bool:
+def accept_series(rows: Sequence[dict]) -> tuple[list[int], list[float]]:
+    """(steps, accept length) with NaN at steps whose rollout ran no verify step (``rollout/verify_steps`` 0): their
+    mean accept length is 0 by convention, which a plot must show as a gap ("not speculating"), not as a value."""
     steps, acc = _series(rows, "rollout/accept_length")
-    if not steps:
+    verifies = {r["step"]: r.get("rollout/verify_steps") for r in rows}
+    return steps, [float("nan") if verifies.get(s) == 0 else a for s, a in zip(steps, acc, strict=True)]
+
+
+def _plot_accept(plt, rows, evals, path) -> bool:
+    steps, acc = accept_series(rows)
+    held_steps, held = _series(evals, "eval/accept_length")
+    if not steps and not held_steps:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, acc, marker="o")
+    if steps:
+        ax.plot(steps, acc, marker="o", label="training rollouts")
+        idle = [s for s, a in zip(steps, acc, strict=True) if a != a]
+        if idle:  # steps with no speculative round trip: marked on the axis, no value drawn
+            ax.plot(idle, [0.0] * len(idle), "x", color="gray", label="not speculating")
+    if held_steps:  # the same held-out prompts at every evaluation
+        ax.plot(held_steps, held, marker="s", color="black", label="held-out prompts (greedy)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("tokens per verify step")
     ax.set_title("Speculative accept length")
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     _save(fig, path)
     plt.close(fig)
@@ -165,7 +181,7 @@ def write_plots(workdir: str) -> list[str]:
     for name, ok in (
         ("reward", lambda p: _plot_reward(plt, rows, evals, p)),
         ("lengths", lambda p: _plot_lengths(plt, rows, lengths, p)),
-        ("accept", lambda p: _plot_accept(plt, rows, p)),
+        ("accept", lambda p: _plot_accept(plt, rows, evals, p)),
         ("timeline", lambda p: _plot_timeline(plt, intervals, p)),
     ):
         path = os.path.join(out, PLOT_FILES[name])
