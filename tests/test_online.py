@@ -122,13 +122,14 @@ def test_online_config_errors(tmp_path):
         _cfg("tiny.py", "--config.drafter.online=True")
     with pytest.raises(ConfigError, match=r"config.rollout.drafter_path: .*needs a drafter: .*drafter.online=True"):
         _cfg("tiny.py", "--config.rollout.speculative=eagle")
-    with pytest.raises(ConfigError, match=r"config.rollout.num_slices: must be >= 1"):
+    with pytest.raises(ConfigError, match=r"config.rollout.num_slices: must be >= 1 engines, or -1"):
         _cfg("tiny.py", "--config.rollout.num_slices=0")
     with pytest.raises(ConfigError, match=r"config.drafter.buffer_bytes: must be > 0"):
         _cfg("tiny.py", "--config.drafter.buffer_bytes=0")
     with pytest.raises(ConfigError, match=r"config.drafter.prompt_context: must be >= 0 prompt positions"):
         _cfg("tiny.py", "--config.drafter.prompt_context=-1")
-    with pytest.raises(ConfigError, match=r"config.rollout.num_slices: 3 does not divide the mesh's data axis \(8"):
+    with pytest.raises(ConfigError,
+                       match=r"config.rollout.num_slices: 3 rollout engines do not split the mesh.s 8 tensor-parallel"):
         run(_cfg("tiny.py", *QUIET, "--config.rollout.num_slices=3", "--config.train.num_steps=1"), str(tmp_path))
     with pytest.raises(ConfigError, match=r"config.drafter.rows: 4 does not split over a slice's 8 .*multiple of 8"):
         run(_cfg("tiny.py", *QUIET, *TREE, "--config.drafter.online=True", "--config.drafter.rows=4",
