@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from tlt_jax.distributed import LogicalRules, decode_rules, state_shardings
+from tlt_jax.distributed import LogicalRules, decode_rules, max_device_bytes, state_shardings
 from tlt_jax.models import rollout_copy
 
 __all__ = ["Resharder", "engines_mesh"]
@@ -107,11 +107,11 @@ class Resharder:
         own = self._own_layout(model)
         if own is not None:
             graphdef, state, want = own
-            self.last_bytes = _max_device_bytes(state)
+            self.last_bytes = max_device_bytes(state)
             return {0: nnx.merge(graphdef, jax.tree.map(_assemble, state, want))}
         program, state = self.program_for(model)
         out = program(state)
-        self.last_bytes = _max_device_bytes(out)
+        self.last_bytes = max_device_bytes(out)
         lay = self._out
         return {e: nnx.merge(lay.graphdef, jax.tree.map(_assemble, out, lay.engine_shardings[e])) for e in self.local}
 
@@ -125,16 +125,8 @@ def _changes_layout(model, dtype=None, attention_impl=None, layers=None) -> bool
 
 def _assemble(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     """The engine's array from the shards ``x`` holds on that engine's devices (the same buffers: no copy)."""
-    mine = set(sharding.mesh.devices.flat)
-    shards = [s.data for s in x.addressable_shards if s.device in mine]
     if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == sharding.mesh and x.sharding.spec == sharding.spec:
         return x
+    mine = set(sharding.mesh.devices.flat)
+    shards = [s.data for s in x.addressable_shards if s.device in mine]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
-
-
-def _max_device_bytes(tree) -> int:
-    per: dict = {}
-    for x in jax.tree.leaves(tree):
-        for s in x.addressable_shards:
-            per[s.device] = per.get(s.device, 0) + s.data.nbytes
-    return max(per.values(), default=0)
