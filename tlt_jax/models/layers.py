@@ -79,40 +79,51 @@ def attention_block(q, k_new, v_new, new_mask, k_cache=None, v_cache=None, cache
 
     q [B,T,H,D]; k_new, v_new [B,T,KV,D]; new_mask [B,T,T] bool (which new keys each query sees: causal, tree or
     segment mask); k_cache, v_cache [B,S,KV,D] and cache_mask [B,T,S] bool (which cached keys are visible).
-    The matmuls read q, keys and values in their own dtype and accumulate in float32 (no float32 copy of the cache);
-    a single new token (decode) takes reductions instead, which read the cache in its [B, S, KV, D] layout where a
-    dot would first transpose it (a whole-cache copy per layer and step). Softmax in float32 over the cache and the
-    new keys as two blocks sharing one max and one sum, so the cache is never concatenated with the new keys. This
-    is the plain XLA reference the tree-attention kernels are tested against.
+    Softmax in float32 over the cache and the new keys as two blocks sharing one max and one sum (the cache is never
+    concatenated with the new keys), normalised after the values are mixed: the weights' sum comes out of the value
+    matmul (a ones column beside the values, which XLA:GPU fuses into the matmul's operand), so the weights are
+    written once, in the values' dtype, and read once. The matmuls read q, keys and values in their own dtype and
+    accumulate in float32 (no float32 copy of the cache); the cache block's mask is an additive bias, which XLA:GPU
+    applies in the score matmul's epilogue. A single new token (decode) takes reductions instead
+    of matmuls, which read the cache in its [B, S, KV, D] layout where a dot would first transpose it (a whole-cache
+    copy per layer and step); so does the new-token block beside a cache (a verify tree: small), so that XLA does not
+    merge its score matmul with the cache's by concatenating the keys. This is the plain XLA reference the
+    tree-attention kernels are tested against.
     """
     b, t, h, d = q.shape
     kv = k_new.shape[2]
     f32 = jnp.float32
     qg = q.reshape(b, t, kv, h // kv, d)
     neg = jnp.finfo(f32).min
+    scale = f32(d**-0.5)
 
-    def scores(k, mask):
-        if t == 1:  # decode: a reduction over head_dim reads the cache where it lies (a dot would transpose it)
-            prod = qg[:, 0, None].astype(f32) * k.astype(f32)[:, :, :, None, :]  # [B, S, KV, G, D]
-            s = jnp.moveaxis(jnp.sum(prod, axis=-1), 1, -1)[:, :, :, None, :] * f32(d**-0.5)  # [B, KV, G, 1, S]
-        else:
-            s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=f32) * f32(d**-0.5)
-        return jnp.where(mask[:, None, None], s, neg)
+    def reduced(k):  # [B, KV, G, T, S]: a reduction over head_dim, k read where it lies
+        prod = qg.astype(f32)[:, :, None] * k.astype(f32)[:, None, :, :, None, :]  # [B, T, S, KV, G, D]
+        return jnp.transpose(jnp.sum(prod, axis=-1), (0, 3, 4, 1, 2))
 
-    blocks = [(scores(k_new, new_mask), v_new)]
+    def scores(k, mask, dot):
+        if not dot:
+            return jnp.where(mask[:, None, None], reduced(k) * scale, neg)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=f32)
+        return s * scale + jnp.where(mask, f32(0), neg)[:, None, None]
+
+    # (scores, values, by matmul): the new block by matmul only without a cache (training and prefill sequences)
+    blocks = [(scores(k_new, new_mask, t > 1 and k_cache is None), v_new, t > 1 and k_cache is None)]
     if k_cache is not None:
-        blocks.insert(0, (scores(k_cache, cache_mask), v_cache))
-    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s, _ in blocks])
-    weights = [jnp.exp(s - top) for s, _ in blocks]
-    total = functools.reduce(jnp.add, [jnp.sum(w, axis=-1, keepdims=True) for w in weights])
+        blocks.insert(0, (scores(k_cache, cache_mask, t > 1), v_cache, t > 1))
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s, _, _ in blocks])
+    weights = [jnp.exp(s - top) for s, _, _ in blocks]
 
-    def mix(w, v):
-        if t == 1:  # decode: a reduction over the positions, the values read where they lie
-            p = jnp.moveaxis(w[:, :, :, 0], -1, 1)  # [B, S, KV, G]
-            return jnp.sum(p[..., None] * v.astype(f32)[:, :, :, None, :], axis=1)[:, None]  # [B, 1, KV, G, D]
-        return jnp.einsum("bkgts,bskd->btkgd", w.astype(v.dtype), v, preferred_element_type=f32)
+    def mix(w, v, dot):  # [B, T, KV, G, D + 1]: the weights times the values, and (last) the weights' sum
+        if dot:  # the sum by the same matmul (a ones column beside the values): the weights are read once
+            v1 = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+            return jnp.einsum("bkgts,bskd->btkgd", w.astype(v.dtype), v1, preferred_element_type=f32)
+        p = jnp.transpose(w, (0, 3, 4, 1, 2))  # [B, T, S, KV, G]: a reduction over the positions, v where it lies
+        out = jnp.sum(p[..., None] * v.astype(f32)[:, None, :, :, None, :], axis=2)
+        return jnp.concatenate([out, jnp.sum(p, axis=2)[..., None]], axis=-1)
 
-    out = functools.reduce(jnp.add, [mix(w / total, v) for w, (_, v) in zip(weights, blocks, strict=True)])
+    out = functools.reduce(jnp.add, [mix(w, v, dot) for w, (_, v, dot) in zip(weights, blocks, strict=True)])
+    out = out[..., :d] / out[..., d:]
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
