@@ -18,11 +18,12 @@ Blocks (see tlt_jax/config.py and tlt_jax/rollout_config.py for every field and 
               spec_max_loss (the adaptive bandit), dtype, attention_impl, layers, num_slices
   drafter     online, lr, buffer_bytes, window, steps_without_idle, rows, row_len, prompt_context, hot_swap
   rl          advantage, policy_loss, clip_low/high, loss_agg_mode, kl_coef, kl_kind, mini_batch_prompts, epochs,
-              micro_batch_size
+              micro_batch_size (the update's), logprob_chunk_rows / logprob_max_gb (the old / reference log-prob
+              passes' chunks: 0 = auto, the largest chunk whose estimated temporaries fit logprob_max_gb per device)
   optim       lr, warmup_steps, schedule, final_lr_ratio, weight_decay, b1, b2, eps, max_grad_norm
   reward      num_workers, timeout_s (GSM8K scoring processes), format_weight
   eval        every_steps, at_start, max_new_tokens, batch_size
-  checkpoint  every_steps, max_to_keep, async_save
+  checkpoint  every_steps, every_minutes, max_to_keep, async_save
   metrics     progress_bars, tensorboard
   train       num_steps, seed, max_nonfinite_steps, debug_nan_steps, plan_check (start-up memory plan),
               device_memory_gb

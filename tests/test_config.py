@@ -53,17 +53,71 @@ def test_every_derived_config_uses_the_shared_helper_and_a_user_config_can_deriv
         config_file(str(tmp_path / "mine.py"), "tiny")
 
 
-def test_qwen_config_needs_paths_and_has_tlt_defaults():
-    cd = _load("qwen2p5_7b_gsm8k.py")
+@pytest.mark.parametrize("name,batch,mesh,target,engines", [
+    ("qwen2p5_7b_gsm8k.py", (64, 16), (1, 2, 4), "h100:1x8", 2),
+    ("qwen2p5_32b_gsm8k.py", (256, 32), (1, 8, 8), "h100:8x8", 8),
+])
+def test_gpu_recipes_need_paths_and_are_tlt(name, batch, mesh, target, engines):
+    """The GPU recipes validate once given a model and data path (placeholders: nothing is read) and are TLT's:
+    GRPO hyper-parameters, adaptive speculation over TLT's EAGLE arms at <= 32 live rows, the online drafter, a bfloat16
+    rollout copy, one
+    rollout engine per tensor-parallel group (2 of TP 4 on one 8-GPU node; 8 of TP 8, one per node, on 8 nodes),
+    each on one node of the compile-only target's devices; each documents its command."""
+    from tlt_jax.adaptive.arms import parse_arms
+    from tlt_jax.distributed import engine_meshes, make_mesh
+    from tlt_jax.rl.learner import check_micro_batch
+
+    cd = _load(name)
     with pytest.raises(ConfigError, match="config.model.path"):
         from_config_dict(cd)
-    cd.model.path = "/models/Qwen2.5-7B"
+    cd.model.path = "/models/Qwen2.5"
     cd.data.train_path = "/data/gsm8k/train.parquet"
     cfg = from_config_dict(cd)
-    assert (cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt) == (64, 8)
+    assert (cfg.data.prompts_per_step, cfg.updates_per_step, cfg.rollout.samples_per_prompt) == (*batch, 8)
     assert cfg.rollout.temperature == 0.9 and cfg.optim.lr == 1e-6
     assert (cfg.rl.kl_coef, cfg.rl.kl_kind) == (0.001, "low_var_kl")
-    assert cfg.updates_per_step == 16
+    r = cfg.rollout
+    assert (r.speculative, r.spec_threshold, r.num_slices, cfg.drafter.online) == ("adaptive", 32, -1, True)
+    assert r.dtype == "bfloat16" and cfg.model.dtype == "bfloat16"  # the engines' copy, as SGLang's
+    assert [str(a) for a in parse_arms(r.spec_arms)] == ["off"] + [f"eagle:8x4x{n}" for n in (48, 32, 16, 8)]
+    text = (CONFIGS / name).read_text()
+    assert f"python -m tlt_jax.main --config=configs/{name}" in text and "python -m tlt_jax.drafter.warmup" in text
+    try:
+        from tlt_jax.plan.targets import compile_only_devices
+
+        devices = compile_only_devices(target)
+    except ImportError:
+        pytest.skip("needs jax-cuda12-plugin (compile-only H100s)")
+    m = make_mesh(cfg.mesh, devices)
+    assert tuple(m.shape.values()) == mesh
+    check_micro_batch(cfg, m)
+    meshes = engine_meshes(m, r.num_slices)
+    assert len(meshes) == engines and all(e.shape["tensor"] == mesh[2] for e in meshes)
+    assert all(len({d.process_index for d in e.devices.flat}) == 1 for e in meshes)
+
+
+def test_slurm_script_runs_the_recipe_it_is_given(tmp_path):
+    """launch/slurm/train.sbatch: RECIPE=7b (default) / 32b picks configs/qwen2p5_{7b,32b}_gsm8k.py and its workdir
+    (stand-ins for srun and the task print the command it runs)."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "task").write_text('#!/bin/bash\necho "task $*"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    script = CONFIGS.parent / "launch" / "slurm" / "train.sbatch"
+    for recipe, want in (("", "qwen2p5_7b_gsm8k"), ("32b", "qwen2p5_32b_gsm8k")):
+        env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", MODEL="/m", DATA="/d",
+                   SLURM_JOB_ID="7", PYTHON=str(bin_dir / "task"), RECIPE=recipe)
+        if not recipe:
+            env.pop("RECIPE")
+        out = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"--config=configs/{want}.py" in out.stdout and f"--workdir=runs/{want}-7" in out.stdout, out.stdout
+        assert (CONFIGS / f"{want}.py").is_file()
 
 
 def test_command_line_overrides_and_locked_unknown_key():
@@ -236,3 +290,30 @@ def test_adaptive_rollout_keys(tmp_path):
         from_config_dict({**d, "rollout": {**d["rollout"], "spec_arms": "eagle:3x2x6,eagle:2x1x3"}})
     r = from_config_dict({**d, "rollout": {**d["rollout"], "spec_arms": "eagle:3x2x6", "spec_max_loss": 0.0}})
     assert r.rollout.spec_max_loss == 0.0
+
+
+def test_config_methods_read_only_fields_they_have():
+    """Every ``self.X`` a config section's method reads is a field or method of that section (a method copied from
+    another section, reading that section's field, fails on first use with an AttributeError)."""
+    import ast
+    import dataclasses
+    import inspect
+    import textwrap
+    import typing
+
+    sections, todo = [], [Config]
+    while todo:
+        cls = todo.pop()
+        sections.append(cls)
+        todo += [t for t in typing.get_type_hints(cls).values() if dataclasses.is_dataclass(t)]
+    missing = []
+    for cls in sections:
+        names = {f.name for f in dataclasses.fields(cls)} | set(dir(cls))
+        for name, fn in vars(cls).items():
+            if not inspect.isfunction(fn) or name.startswith("__"):
+                continue
+            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            reads = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                     and isinstance(n.value, ast.Name) and n.value.id == "self"}
+            missing += [f"{cls.__name__}.{name} reads self.{a}" for a in sorted(reads - names)]
+    assert len(sections) > 10 and not missing, missing

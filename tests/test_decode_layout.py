@@ -7,8 +7,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tlt_jax.distributed import LogicalRules, MeshConfig, decode_rules, make_mesh, max_device_bytes
-from tlt_jax.models import CausalLM, tiny_config
+from tlt_jax.distributed import LogicalRules, MeshConfig, decode_rules, make_mesh, max_device_bytes, shard_module
+from tlt_jax.models import CausalLM, rollout_copy, tiny_config
 from tlt_jax.rollout import RolloutEngine, SamplingParams, SpecConfig
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -49,9 +49,9 @@ def _run(model, mesh, param_rules_fn=None):
     params = SamplingParams(temperature=0.0, n=2, max_new_tokens=6, ignore_eos=True)
     results = []
     for e in engines:
-        if param_rules_fn is not None:
+        if param_rules_fn is not None:  # a copy laid out by other rules, published as it is (no reshard)
             e.param_rules = param_rules_fn(e.rules)
-            e.set_params(model)
+            e.set_rollout_copy(shard_module(rollout_copy(model, **e.rollout_layout), mesh, e.param_rules))
         results.append(e.generate([[1, 2, 3, 4]] * 4, params))
     return engines, results
 
@@ -107,3 +107,40 @@ def test_pallas_kernel_runs_under_shard_map_gathering_no_cache(monkeypatch):
     unsharded = RolloutEngine(model, mesh, attention_impl="pallas", **kw)
     assert unsharded.generate([[1, 2, 3, 4]] * 4, params).tokens == xla.tokens
     assert _gathered_caches(unsharded, cfg.head_dim, (16, 32))
+
+
+COLLECTIVE = re.compile(r"= \(?(\w+\[[\d,]*\])[^=]*? (?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                        r"(?:-start)?\(")
+
+
+def _vocab_collectives(engine, vocab_shard: int) -> list[str]:
+    """The decode steps' collectives whose result holds a vocabulary-sized dimension (the logits moved)."""
+    out = []
+    for key in engine.pool.keys():
+        if key.phase == "decode":
+            for shape in COLLECTIVE.findall(engine.pool.compile(key).as_text()):
+                if any(int(d) >= vocab_shard for d in shape[shape.index("[") + 1:-1].split(",") if d):
+                    out.append(shape)
+    return out
+
+
+def test_tensor_parallel_sampling_keeps_the_vocabulary_split():
+    """On a tensor-parallel engine the LM head's logits are split by vocabulary. An engine compiled without top-k /
+    top-p (``sampling_filters=False``, the RL engines') samples them where they lie: its decode step moves no
+    vocabulary-sized array (per row only a few scalars beside the layers' all-reduces), and it samples the same
+    tokens as an engine with the filters compiled in, whose sort moves the logits (the negative control); it refuses
+    SamplingParams that filter."""
+    import pytest
+
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=2), jax.devices()[:2])
+    cfg = tiny_config(vocab_size=512)
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
+    kw = dict(max_batch=8, max_len=32, length_buckets=(32,), batch_buckets=(8,), compiler_options=FAST)
+    params = SamplingParams(temperature=0.9, n=2, max_new_tokens=6, seed=3, ignore_eos=True)
+    lean, full = RolloutEngine(model, mesh, sampling_filters=False, **kw), RolloutEngine(model, mesh, **kw)
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10]]
+    assert lean.generate(prompts, params).tokens == full.generate(prompts, params).tokens
+    assert _vocab_collectives(lean, cfg.vocab_size // 2) == []
+    assert _vocab_collectives(full, cfg.vocab_size // 2)
+    with pytest.raises(ValueError, match="sampling_filters=False"):
+        lean.generate(prompts, SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=2))

@@ -7,7 +7,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from tlt_jax.distributed import MeshConfig, make_mesh, shard_module, engine_meshes
+from tlt_jax.distributed import MeshConfig, engine_meshes, make_mesh, shard_module
 from tlt_jax.drafter import DrafterLossConfig, DrafterOptimConfig, EagleDrafter, drafter_loss, import_eagle
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.spot import SpotTrainer, average_states

@@ -2,9 +2,12 @@
 temporary memory per device falls as devices are added; log-probs over the vocabulary in chunks (parity with the
 whole-logits reference, values and gradients); a bfloat16 reference policy."""
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -146,3 +149,94 @@ def test_vocab_parallel_logprobs_match_values_and_gradients():
         np.testing.assert_allclose(a, w, atol=2e-6, rtol=2e-6)  # sums over the vocabulary in another order
     for a, w in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
         np.testing.assert_allclose(a, w, atol=2e-5, rtol=1e-5)
+
+
+# ----- meshes for pods (issue 58, item 4): devices ordered by node, HSDP -----------------------------------------
+
+_GPU = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+def test_one_process_keeps_the_device_order():
+    """8 simulated CPU devices in one process: the mesh is today's reshape of the devices in the order given."""
+    from tlt_jax.distributed import MeshConfig, make_mesh
+
+    for cfg in (MeshConfig(2, 2, 2), MeshConfig(1, 8, 1), MeshConfig(-1, 1, 1)):
+        assert list(make_mesh(cfg).devices.flat) == jax.devices()
+    shuffled = jax.devices()[::-1]
+    assert list(make_mesh(MeshConfig(1, 4, 2), shuffled).devices.flat) == shuffled
+
+
+def test_hybrid_layout_without_accelerators():
+    """``hybrid_devices`` on stand-in devices of 4 nodes x 8 (no compiler needed): data 4 x fsdp 8 puts node i in row
+    i; data 8 x fsdp 2 x tensor 2 gives each node two data rows; data 2 x fsdp 16 two whole nodes per FSDP group."""
+    import collections
+
+    from tlt_jax.distributed.mesh import _locality_units, hybrid_devices
+
+    dev = collections.namedtuple("dev", "id process_index platform")
+    devices = [dev(i, i // 8, "gpu") for i in range(32)][::-1]
+    units = _locality_units(devices)
+    assert [[d.id for d in u] for u in units] == [list(range(8 * p, 8 * p + 8)) for p in range(4)]
+    node = np.vectorize(lambda d: d.process_index)
+    assert node(hybrid_devices((4, 8, 1), units))[:, :, 0].tolist() == [[p] * 8 for p in range(4)]
+    assert node(hybrid_devices((8, 2, 2), units)).reshape(8, 4).tolist() == [[p] * 4 for p in range(4) for _ in "ab"]
+    assert node(hybrid_devices((2, 16, 1), units))[:, :, 0].tolist() == [[0] * 8 + [1] * 8, [2] * 8 + [3] * 8]
+    ids = np.vectorize(lambda d: d.id)(hybrid_devices((1, 8, 4), units))
+    assert ids.ravel().tolist() == list(range(32))  # process-major, as a reshape of the sorted devices
+    with pytest.raises(ValueError, match="devices per process differ"):
+        hybrid_devices((1, 6, 1), _locality_units([dev(i, int(i >= 4), "gpu") for i in range(6)]))
+
+
+def _process_grid(mesh) -> np.ndarray:
+    return np.vectorize(lambda d: d.process_index)(mesh.devices)
+
+
+@pytest.mark.skipif(not _GPU, reason="needs jax-cuda12-plugin (compile-only H100s)")
+def test_hsdp_mesh_keeps_fsdp_and_tensor_inside_a_node():
+    """32 compile-only H100s in 4 processes (nodes), given in any order: mesh data 4 x fsdp 8 has each FSDP row on
+    one node; data 8 x fsdp 2 x tensor 2 keeps every FSDP x tensor group on one node and every engine (TP group)
+    too; FSDP groups of whole nodes are allowed (fsdp 16: 2 nodes each); a tensor-parallel group across nodes, or an
+    FSDP group holding part of a node, is refused with the reason."""
+    from tlt_jax.distributed import MeshConfig, engine_meshes, make_mesh
+    from tlt_jax.plan.targets import compile_only_devices
+
+    devices = compile_only_devices("h100:4x8")
+    rng = np.random.default_rng(0)
+    shuffled = [devices[i] for i in rng.permutation(len(devices))]
+    mesh = make_mesh(MeshConfig(4, 8, 1), shuffled)
+    procs = _process_grid(mesh)
+    assert all(len(set(row)) == 1 for row in procs[:, :, 0]) and sorted(procs[:, 0, 0]) == [0, 1, 2, 3]
+    assert mesh.devices.tolist() == make_mesh(MeshConfig(4, 8, 1), devices).devices.tolist()
+    mesh = make_mesh(MeshConfig(8, 2, 2), shuffled)
+    procs = _process_grid(mesh)
+    assert all(len(set(procs[d].ravel())) == 1 for d in range(8))
+    assert all(len({d.process_index for d in e.devices.flat}) == 1 for e in engine_meshes(mesh, -1))
+    procs = _process_grid(make_mesh(MeshConfig(2, 16, 1), shuffled))
+    assert [sorted(set(row)) for row in procs[:, :, 0]] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="tensor-parallel group would span nodes"):
+        make_mesh(MeshConfig(1, 2, 16), devices)
+    with pytest.raises(ValueError, match="neither fits inside a 4-device process"):
+        make_mesh(MeshConfig(2, 6, 1), compile_only_devices("h100:3x4"))
+
+
+@pytest.mark.skipif(not _GPU, reason="needs jax-cuda12-plugin (compile-only H100s)")
+def test_compiled_fsdp_matmul_gathers_inside_a_node():
+    """XLA:GPU's program for an FSDP matmul (rows over data x fsdp, the weight's rows over fsdp) on the HSDP mesh
+    data 4 x fsdp 8 of 4 nodes: every all-gather's replica groups hold the devices of one node."""
+    from tlt_jax.distributed import MeshConfig, make_mesh
+    from tlt_jax.plan.hlo import _GROUPS, parse_groups
+    from tlt_jax.plan.targets import compile_only_devices
+
+    devices = compile_only_devices("h100:4x8")
+    mesh = make_mesh(MeshConfig(4, 8, 1), devices[::-1])
+    x = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "fsdp"), None)))
+    w = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", None)))
+    text = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P(("data", "fsdp"), None))).lower(
+        x, w).compile().as_text()
+    flat = list(mesh.devices.flat)
+    gathers = [line for line in text.splitlines() if " all-gather" in line and "replica_groups=" in line]
+    assert gathers, text
+    for line in gathers:
+        groups = parse_groups(_GROUPS.search(line).group(1), mesh.size)
+        assert groups is not None and all(len({flat[i].process_index for i in g}) == 1 for g in groups), line
+        assert all(len(g) == 8 for g in groups), line

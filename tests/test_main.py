@@ -435,12 +435,13 @@ def test_adaptive_rollouts_report_arm_shares_and_resume_the_bandit(tmp_path):
 
 def test_adaptive_spec_takes_the_loss_bound():
     """rollout.spec_max_loss reaches the engine's bandit (0 = no bound)."""
-    from tlt_jax.builders import adaptive_spec
+    from tlt_jax.builders import engine_kwargs
 
     common = ("--config.rollout.speculative=adaptive", "--config.rollout.spec_arms=off,ngram:3x2x6")
-    assert adaptive_spec(_cfg("tiny.py", *common), None)["spec"].bandit_config().max_loss == 0.05  # the default
-    assert adaptive_spec(_cfg("tiny.py", *common, "--config.rollout.spec_max_loss=0.2"), None)["spec"].max_loss == 0.2
-    assert adaptive_spec(_cfg("tiny.py", *common, "--config.rollout.spec_max_loss=0"), None)["spec"].max_loss is None
+    spec = lambda *extra: engine_kwargs(_cfg("tiny.py", *common, *extra), "cpu")["spec"]  # noqa: E731
+    assert spec().bandit_config().max_loss == 0.05  # the default
+    assert spec("--config.rollout.spec_max_loss=0.2").max_loss == 0.2
+    assert spec("--config.rollout.spec_max_loss=0").max_loss is None
 
 
 def test_unusable_eagle_drafter_is_a_config_error(tmp_path):

@@ -138,14 +138,18 @@ def test_an_engine_decoding_on_the_training_arrays_holds_no_copy():
     assert ab.abstract_engine(cfg, policy, mesh, "gpu").holds_copy  # GPU: an unstacked copy
 
 
-def _memory(compiled):
+def _memory(compiled, group_size=None):
     m = compiled.memory_analysis()
     return (m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes,
-            collective_stats(compiled.as_text()))
+            collective_stats(compiled.as_text(), group_size))
 
 
 def _figures(step):
     return (step.argument_bytes, step.output_bytes, step.alias_bytes, step.temp_bytes, step.collectives)
+
+
+ENGINE_STEPS = {"prefill", "decode", "verify", "compact", "drafter"}
+ALL_STEPS = ENGINE_STEPS | {"reshard", "train", "logprobs", "logprobs_old"}
 
 
 def test_plan_equals_the_runs_own_state_and_compiled_programs():
@@ -174,7 +178,8 @@ def test_plan_equals_the_runs_own_state_and_compiled_programs():
     assert eng.holds_copy and _copies(engine, model)
 
     plan = plan_run(cfg, mesh, backend=backend)
-    assert set(plan.steps) == {"train", "logprobs", "logprobs_old", "decode", "verify"} and all(plan.steps.values())
+    assert set(plan.steps) == ALL_STEPS and plan.steps["drafter"] is None  # no online drafter here
+    assert all(plan.steps[k] for k in ALL_STEPS - {"drafter"})
     # Each figure is the compiled program's own: the run's train step on a mini-batch as the learner builds it, ...
     t = ab.sequence_length(cfg)
     rows = cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt
@@ -188,24 +193,41 @@ def test_plan_equals_the_runs_own_state_and_compiled_programs():
     real = learner._train_step.lower(learner.state, learner.rest, batch).compile()
     assert _figures(plan.steps["train"]) == _memory(real)
     ids, attn = put(seqs["input_ids"]), put(seqs["attention_mask"])
-    real = learner._logprobs.lower(learner.ref_params, learner.rest, ids, attn).compile()
+    real = learner.logprob_fn(ids.shape).lower(learner.ref_params, learner.rest, ids, attn).compile()
     assert _figures(plan.steps["logprobs"]) == _memory(real)
-    real = learner._logprobs.lower(learner.state.params, learner.rest, ids, attn).compile()
+    real = learner.logprob_fn(ids.shape).lower(learner.state.params, learner.rest, ids, attn).compile()
     assert _figures(plan.steps["logprobs_old"]) == _memory(real)
     assert plan.steps["logprobs_old"].argument_bytes > plan.steps["logprobs"].argument_bytes  # float32 vs bfloat16
     # ... and the engine's decode and verify steps compiled from its own (real) parameters.
     length = engine.length_buckets[-1]
+    tp = cfg.mesh.tensor
     real = engine.pool.compile(StepKey("decode", rows, length), *engine.abstract_args(Arm("off"), rows, length))
-    assert _figures(plan.steps["decode"]) == _memory(real)
+    assert _figures(plan.steps["decode"]) == _memory(real, tp)
     arm = next(iter(engine.arm_specs))
     vb = [b for b in engine.batch_buckets if b >= cfg.rollout.spec_threshold or b == engine.batch_buckets[-1]][0]
     real = engine.pool.compile(step_key(arm, vb, length), *engine.abstract_args(arm, vb, length))
-    assert _figures(plan.steps["verify"]) == _memory(real) and str(arm) in plan.steps["verify"].what
+    assert _figures(plan.steps["verify"]) == _memory(real, tp) and str(arm) in plan.steps["verify"].what
+    # The reshard is the engine's own program (``Resharder``) on the learner's float32 model.
+    from tlt_jax.rollout.reshard import Resharder
 
-    # Resident: the train state, the reference; the peak adds the largest step's transient bytes.
+    program, state = Resharder([engine.mesh], engine.rollout_layout).program_for(model)
+    assert _figures(plan.steps["reshard"]) == _memory(program.lower(state).compile())
+
+    # Resident: the train state, the reference, the rollout copy, the decode state at the largest wave; each
+    # phase's peak adds its largest step's transient bytes to the buffers it holds.
+    state_bytes = ab.device_bytes(engine.ctx.abstract_state(rows))
     assert plan.resident == {"train_state": ab.device_bytes(learner.state), "reference":
-                             ab.device_bytes(learner.ref_params), "rollout_copy": ab.device_bytes(engine.params)}
-    assert plan.peak_bytes == plan.resident_bytes + max(s.transient_bytes for s in plan.steps.values())
+                             ab.device_bytes(learner.ref_params), "rollout_copy": ab.device_bytes(engine.params),
+                             "decode_state": state_bytes}
+    rollout = max(plan.steps[k].transient_bytes for k in ENGINE_STEPS if plan.steps[k])
+    update = max(plan.steps[k].transient_bytes for k in ("train", "logprobs", "logprobs_old"))
+    assert plan.phase_peak("rollout") == plan.resident_bytes + rollout
+    assert plan.phase_peak("update") == plan.resident_bytes - state_bytes + update
+    assert plan.phase_peak("reshard") == (plan.resident_bytes - state_bytes - plan.resident["rollout_copy"]
+                                          + plan.steps["reshard"].transient_bytes)
+    assert plan.peak_bytes == max(plan.phase_peak(p) for p in ("rollout", "update", "reshard"))
+    d = plan.steps["decode"]  # its donated state is resident (aliased): the transient is temporaries + its info
+    assert d.transient_bytes == d.temp_bytes + d.output_bytes - d.alias_bytes < d.temp_bytes + state_bytes / 4
     assert plan.steps["train"].collective_bytes > 0 and plan.fits is None
 
 
@@ -225,8 +247,10 @@ def test_online_drafter_step_and_slice_engine_are_the_runs_own():
         plan = plan_run(cfg, mesh, backend=jax.default_backend())
         real = trainer._steps[0]  # compiled ahead of time when the engine was built (``SpotTrainer.compile``)
         assert isinstance(real, jax.stages.Compiled)
-        assert _figures(plan.steps["drafter"]) == _memory(real)
+        assert _figures(plan.steps["drafter"]) == _memory(real, cfg.mesh.tensor)
         assert plan.resident["drafter"] == ab.device_bytes(engine.drafter_params) > 0
+        # The spot trainer's state (drafter + Adam moments) and a replica, on slice 0's devices.
+        assert plan.resident["spot_trainer"] == 2 * ab.device_bytes(trainer._placed[0]) > plan.resident["drafter"]
     finally:
         ctl.close()
 
@@ -261,7 +285,7 @@ def test_startup_check_follows_train_plan_check_and_refuses_a_run_that_does_not_
     assert startup_check(_cfg(), mesh) is None  # "auto": not on a CPU backend
     plan = startup_check(_cfg("--config.train.plan_check=on", "--config.train.device_memory_gb=80"), mesh)
     assert plan.fits and plan.device_memory_bytes == int(80 * GB * MEMORY_FRACTION)
-    assert plan.summary().startswith("plan: 8 devices (mesh 8x1x1), peak ") and ": fits" in plan.summary()
+    assert plan.summary().startswith("plan: 8 devices (mesh 8x1x1, 1 engine), peak ") and ": fits" in plan.summary()
     tight = _cfg("--config.train.plan_check=on", f"--config.train.device_memory_gb={plan.peak_bytes / 2 / GB}")
     with pytest.raises(ConfigError) as e:
         startup_check(tight, mesh)
@@ -319,9 +343,19 @@ def test_command_line_writes_the_documented_json_and_refuses_a_run_that_does_not
     plan = json.loads(out.read_text())
     assert plan["devices"] == 8 and plan["fits"] is True and plan["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
     assert plan["device_memory_bytes"] == int(80 * GB * MEMORY_FRACTION) and 0 < plan["peak_bytes"] < 10**8
-    assert set(plan["steps"]) == {"train", "logprobs", "logprobs_old", "decode", "verify"}
-    for step in plan["steps"].values():
+    assert set(plan["steps"]) == ALL_STEPS and plan["steps"]["drafter"] is None
+    assert (plan["target"], plan["device_kind"], plan["engines"]) == ("cpu:8", "cpu", 1)
+    assert set(plan["phases"]) == {"rollout", "update", "reshard"} and plan["peak_bytes"] == max(
+        p["peak_bytes"] for p in plan["phases"].values())
+    for name, step in plan["steps"].items():
+        if step is None:
+            continue
         assert {"argument_bytes", "temp_bytes", "collective_bytes"} <= set(step) and step["argument_bytes"] > 0
+        assert ("cross_engine_collective_bytes" in step) == (name in ENGINE_STEPS)
+        if name in ENGINE_STEPS:
+            assert 0 <= step["cross_engine_collective_bytes"] <= step["collective_bytes"]
+            assert step["compiled_keys"][0] not in step["other_keys"] and step["reachable_keys"] == len(
+                step["compiled_keys"]) + len(step["other_keys"])
     assert plan["command"].startswith("python -m tlt_jax.plan --config=configs/tiny.py --devices=8")
 
     proc = _plan_cli("--device_memory_gb=0.0001")
@@ -335,4 +369,85 @@ def test_command_line_writes_the_documented_json_and_refuses_a_run_that_does_not
     assert {json.loads(out.read_text())["steps"][k]["temp_source"] for k in ("decode", "verify")} == {"compiled"}
 
     proc = _plan_cli("--config.rl.micro_batch_size=12")
-    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: config.rl.micro_batch_size")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: config.rl.micro_batch_size")
+
+
+def test_a_tiny_job_compiles_only_programs_the_plan_lists_and_the_plans_figures_are_theirs():
+    """A rollout and an evaluation of the sharded tiny run: every key its pool compiled is one the plan lists for
+    that phase, and each step the plan compiled at a key the job compiled too has that executable's figures."""
+    from tlt_jax.builders import build_data, build_engine, build_model
+    from tlt_jax.plan.rollout import key_name
+    from tlt_jax.rollout import SamplingParams
+
+    cfg = _cfg(*SHARDED)
+    mesh = make_mesh(cfg.mesh)
+    model, _ = build_model(cfg, mesh)
+    data = build_data(cfg, None, model.config)
+    engine = build_engine(cfg, model, mesh, data)
+    r = cfg.rollout
+    prompts = [list(ex["prompt_ids"]) for ex in data.train[: cfg.data.prompts_per_step]]
+    engine.generate(prompts, SamplingParams(temperature=r.temperature, n=r.samples_per_prompt, seed=3,
+                                            max_new_tokens=r.max_new_tokens))
+    evals = [list(ex["prompt_ids"]) for ex in data.eval[: cfg.eval.batch_size]]
+    engine.generate(evals, SamplingParams(temperature=0.0, n=1, seed=0, max_new_tokens=r.max_new_tokens))
+    plan = plan_run(cfg, mesh, backend=jax.default_backend())
+    ran = {key_name(k): k for k in engine.pool.keys()}
+    assert {k.phase for k in ran.values()} >= {"prefill", "verify", "compact"}  # threshold 32: every chunk verifies
+    for name, key in ran.items():
+        assert name in plan.steps[key.phase].keys, (name, plan.steps[key.phase].keys)
+    compared = set()
+    for phase in ENGINE_STEPS - {"drafter"}:
+        step = plan.steps[phase]
+        compiled = [step.key, *step.also_compiled]
+        assert len(set(compiled) & set(step.keys)) == len(compiled)  # the compiled keys are reachable ones
+        if step.key in ran:
+            assert _figures(step) == _memory(engine.pool._compiled[ran[step.key]], cfg.mesh.tensor), phase
+            compared.add(phase)
+        assert all(t <= step.transient_bytes for t in step.also_compiled.values())  # the largest is kept
+    assert compared == {"prefill", "verify", "compact"}, compared
+    # The job's prefill waves: a training wave (32 rows of 8 prompts) and an evaluation wave (one row per prompt).
+    assert {ran[k].extra[0] for k in ran if k.startswith("prefill")} == {8, 32}
+    assert set(plan.steps["prefill"].also_compiled) | {plan.steps["prefill"].key} == {
+        k for k in ran if k.startswith("prefill")}
+
+
+def test_cross_engine_bytes_are_those_of_collectives_spanning_an_engines_tensor_parallel_groups():
+    """Engines of one TP group each (4 engines of tensor 2): every collective of an engine step stays inside its TP
+    group (0 bytes across, but TP all-reduces); one engine over 8 devices with tensor 1: every collective spans TP
+    groups (of one device), so all its bytes cross."""
+    tp = plan_run(_cfg("--config.mesh.data=4", "--config.mesh.tensor=2", "--config.rollout.num_slices=-1"),
+                  make_mesh(MeshConfig(data=4, fsdp=1, tensor=2)), backend="cpu")
+    assert tp.engines == 4 and tp.engine_mesh == {"data": 1, "fsdp": 1, "tensor": 2}
+    for k in ("prefill", "decode", "compact"):
+        c = tp.steps[k].collectives
+        assert c.cross_group_bytes == 0, (k, c)
+    assert tp.steps["decode"].collectives.by_kind.get("all-reduce", 0) > 0  # the TP group's own
+    dp = plan_run(_cfg(), make_mesh(MeshConfig(data=-1)), backend="cpu")
+    assert dp.engines == 1 and dp.engine_mesh == {"data": 8, "fsdp": 1, "tensor": 1}
+    for k in ("prefill", "decode", "compact"):
+        c = dp.steps[k].collectives
+        assert c.cross_group_bytes == c.bytes > 0, (k, c)
+
+
+def test_the_plan_loads_the_runs_drafter_shape_with_its_draft_vocabulary(tmp_path):
+    from flax import nnx as _nnx
+
+    from tlt_jax.builders import build_data, build_engine, build_model
+    from tlt_jax.drafter.eagle import EagleDrafter
+    from tlt_jax.drafter.export import save_drafter
+
+    base = _cfg()
+    mcfg = ab.model_config(base)
+    drafter = EagleDrafter(mcfg, rngs=_nnx.Rngs(0))
+    drafter.set_draft_vocab(np.arange(3, 19))
+    save_drafter(drafter, tmp_path / "d")
+    np.save(tmp_path / "d" / "draft_vocab.npy", np.arange(3, 19, dtype=np.int32))
+    cfg = _cfg("--config.rollout.speculative=eagle", f"--config.rollout.drafter_path={tmp_path / 'd'}",
+               "--config.rollout.spec_depth=2", "--config.rollout.spec_topk=2", "--config.rollout.spec_verify_tokens=4")
+    assert ab.eagle_drafter(cfg, mcfg)[1] == tuple(range(3, 19)) and ab.eagle_drafter(base, mcfg)[1] is None
+    mesh = make_mesh(cfg.mesh)
+    model, _ = build_model(cfg, mesh)
+    engine = build_engine(cfg, model, mesh, build_data(cfg, None, model.config))
+    eng = ab.abstract_engine(cfg, ab.abstract_policy(cfg, mcfg, mesh), mesh, jax.default_backend())
+    _same(eng.engine.drafter_params, engine.drafter_params)
+    assert any(x.shape == (16,) for x in jax.tree.leaves(eng.engine.drafter_params))  # the draft vocabulary

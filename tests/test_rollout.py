@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from scipy import stats as sps
 
-from tlt_jax.distributed import MeshConfig, make_mesh, engine_meshes
+from tlt_jax.distributed import MeshConfig, engine_meshes, make_mesh
 from tlt_jax.models import CausalLM, tiny_config
 from tlt_jax.rollout import HiddenCapture, RolloutEngine, SamplingParams, StepKey, StepPool
 

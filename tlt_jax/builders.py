@@ -191,39 +191,69 @@ def build_engine(cfg, model, mesh, data: Data, workdir: str | None = None):
     speculatively once a wave has at most ``rollout.spec_threshold`` live rows, with the ``rollout.spec_*`` tree
     shape. With ``rollout.num_slices`` != 1 or ``drafter.online``: a ControlledRollout (see build_controlled)."""
     import jax
-    import jax.numpy as jnp
 
-    from tlt_jax.rl.learner import bucket_length
-    from tlt_jax.rollout import RolloutEngine, SpecConfig
+    from tlt_jax.rollout import RolloutEngine
 
-    longest = max(len(ex["prompt_ids"]) for ex in data.train + data.eval)
-    max_len = bucket_length(longest + max(cfg.rollout.max_new_tokens, eval_max_new_tokens(cfg)))
-    rows = cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt
     r = cfg.rollout
-    spec = {}
-    if r.speculative == "adaptive":
-        spec = adaptive_spec(cfg, model.config)
-    elif r.speculative != "off":
-        tree = SpecConfig(
-            depth=r.spec_depth, topk=r.spec_topk, verify_tokens=r.spec_verify_tokens, threshold=r.spec_threshold
-        )
-        if r.speculative == "ngram":
-            drafter = "ngram"
-        elif r.drafter_path:
-            drafter = load_eagle_drafter(cfg, model.config)
-        else:  # drafter.online (config-checked): a fresh drafter that learns during RL
-            drafter = fresh_eagle_drafter(cfg, model.config)
-        spec = dict(drafter=drafter, spec=tree)
-    kwargs = dict(**spec, max_batch=max(rows, cfg.eval.batch_size), max_len=max_len,
-                  tail_threshold=max(1, rows // 4), attention_impl=r.attention_impl,
-                  layers=r.layer_layout(jax.default_backend()))
-    if r.dtype:
-        kwargs["dtype"] = jnp.dtype(r.dtype)
+    drafter = None
+    if r.needs_eagle:  # an empty drafter_path (drafter.online, config-checked): a fresh drafter that learns during RL
+        drafter = load_eagle_drafter(cfg, model.config) if r.drafter_path else fresh_eagle_drafter(cfg, model.config)
+    longest = max(len(ex["prompt_ids"]) for ex in data.train + data.eval)
+    kwargs = engine_kwargs(cfg, jax.default_backend(), drafter, longest)
     if r.num_slices != 1 or cfg.drafter.online:
         from tlt_jax.controller.online import build_controlled
 
         return build_controlled(cfg, model, mesh, kwargs, workdir)
     return RolloutEngine(model, mesh, **kwargs)
+
+
+def longest_prompt(cfg) -> int:
+    """The longest prompt the config admits: the synthetic prompts' length, else data.max_prompt_len."""
+    return cfg.data.synthetic.prompt_len if cfg.data.source == "synthetic" else cfg.data.max_prompt_len
+
+
+def engine_kwargs(cfg, backend: str, drafter=None, longest: int | None = None) -> dict:
+    """RolloutEngine keyword arguments of the run (``build_engine``'s; the plan's abstract engine takes the same):
+    a cache for the ``longest`` prompt (default ``longest_prompt``) and the longest response, the rollout layout on
+    ``backend``, the speculative tree or adaptive arms with ``drafter`` (the EAGLE drafter module where the run drafts
+    with one), the n-gram history, RL sampling (top-k / top-p refused by the config, so not compiled) and, with
+    ``drafter.online``, the hidden-state capture of every response.
+
+    Adaptive: the bandit over ``rollout.spec_arms``, seeded by train.seed (offset per slice:
+    ``controller.slices.slice_spec``), so every process (and a rerun) takes the same decisions from the same
+    measurements. A speculative step met for the first time is compiled in the background once the rollout has
+    returned (``background_compile``, ``compile_between_calls``: beside the policy update), so the rollout never
+    waits for, nor shares its host with, a program that plain decoding does not need; the arm is usable from the
+    next rollout."""
+    import jax.numpy as jnp
+
+    from tlt_jax.adaptive import parse_arms
+    from tlt_jax.rl.learner import bucket_length
+    from tlt_jax.rollout import HiddenCapture, SpecConfig
+
+    r, d = cfg.rollout, cfg.drafter
+    rows = cfg.data.prompts_per_step * r.samples_per_prompt
+    longest = longest_prompt(cfg) if longest is None else longest
+    kwargs = dict(max_batch=max(rows, cfg.eval.batch_size),
+                  max_len=bucket_length(longest + max(r.max_new_tokens, eval_max_new_tokens(cfg))),
+                  tail_threshold=max(1, rows // 4), attention_impl=r.attention_impl, layers=r.layer_layout(backend),
+                  sampling_filters=False)
+    if r.dtype:
+        kwargs["dtype"] = jnp.dtype(r.dtype)
+    if r.speculative == "adaptive":
+        spec = SpecConfig(arms=parse_arms(r.spec_arms), epsilon=r.spec_epsilon, window=r.spec_window,
+                          patience=r.spec_patience, threshold=r.spec_threshold, seed=cfg.train.seed,
+                          max_loss=r.spec_max_loss or None)
+        kwargs.update(spec=spec, drafter=drafter, background_compile=True, compile_between_calls=True)
+    elif r.speculative != "off":
+        spec = SpecConfig(depth=r.spec_depth, topk=r.spec_topk, verify_tokens=r.spec_verify_tokens,
+                          threshold=r.spec_threshold)
+        kwargs.update(spec=spec, drafter="ngram" if r.speculative == "ngram" else drafter)
+    if r.ngram_history_bytes:  # n-gram arms draft from earlier steps' responses too (a store per engine)
+        kwargs["ngram_history_bytes"] = r.ngram_history_bytes
+    if d.online:
+        kwargs["capture"] = HiddenCapture(window=d.window, max_bytes=d.buffer_bytes, prompt=d.prompt_context)
+    return kwargs
 
 
 def fresh_eagle_drafter(cfg, model_config):
@@ -234,34 +264,6 @@ def fresh_eagle_drafter(cfg, model_config):
     from tlt_jax.drafter.eagle import EagleDrafter
 
     return EagleDrafter(model_config, dtype=jnp.dtype(cfg.model.dtype), rngs=nnx.Rngs(cfg.train.seed))
-
-
-def adaptive_spec(cfg, model_config) -> dict:
-    """Engine arguments of ``rollout.speculative="adaptive"``: the bandit over ``rollout.spec_arms``, with the EAGLE
-    drafter of ``rollout.drafter_path`` (or a fresh one that trains online) when an arm needs it. Seeded by
-    train.seed (offset per slice: ``controller.slices.slice_spec``), so every process (and a rerun) takes the same
-    decisions from the same measurements. A speculative step met for the first time is compiled in the background
-    once the rollout has returned (``background_compile``, ``compile_between_calls``: beside the policy update), so
-    the rollout never waits for, nor shares its host with, a program that plain decoding does not need; the arm is
-    usable from the next rollout."""
-    from tlt_jax.adaptive import parse_arms
-    from tlt_jax.rollout import SpecConfig
-
-    r = cfg.rollout
-    arms = parse_arms(r.spec_arms)
-    spec = SpecConfig(
-        arms=arms,
-        epsilon=r.spec_epsilon,
-        window=r.spec_window,
-        patience=r.spec_patience,
-        threshold=r.spec_threshold,
-        seed=cfg.train.seed,
-        max_loss=r.spec_max_loss or None,
-    )
-    drafter = None
-    if any(a.kind == "eagle" for a in arms):  # an empty drafter_path (drafter.online, config-checked): a fresh one
-        drafter = load_eagle_drafter(cfg, model_config) if r.drafter_path else fresh_eagle_drafter(cfg, model_config)
-    return dict(drafter=drafter, spec=spec, background_compile=True, compile_between_calls=True)
 
 
 def restore_engine_state(engine, controller: dict) -> None:
@@ -278,8 +280,3 @@ def restore_engine_state(engine, controller: dict) -> None:
         engine.load_state_dict(saved)
     except ValueError as e:
         raise ConfigError(f"config.rollout.spec_arms: {e}") from e
-
-
-# ----- the run ----------------------------------------------------------------------------------------------------
-
-

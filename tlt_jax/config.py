@@ -158,7 +158,12 @@ class RLConfig:
     kl_kind: str = "low_var_kl"  # kl_loss_type
     mini_batch_prompts: int = 0  # ppo_mini_batch_size in prompts; 0 = all prompts of the step (one update)
     epochs: int = 1  # ppo_epochs
-    micro_batch_size: int = 8  # sequences per micro-batch (gradient accumulation and log-prob chunks)
+    micro_batch_size: int = 8  # sequences per micro-batch of the update (gradient accumulation)
+    # The old-policy and reference log-prob passes run over the step's rows in chunks of logprob_chunk_rows rows
+    # (0 = auto: the largest chunk whose estimated temporaries fit logprob_max_gb per device,
+    # tlt_jax.rl.logprobs.logprob_chunk_rows). With FSDP each chunk gathers the whole model once: few large chunks.
+    logprob_chunk_rows: int = 0
+    logprob_max_gb: float = 8.0
 
     def validate(self, key: str) -> None:
         for name, reg in (
@@ -175,6 +180,8 @@ class RLConfig:
         _require(self.mini_batch_prompts >= 0, f"{key}.mini_batch_prompts", "must be >= 0 (0 = all)")
         _require(self.epochs >= 1, f"{key}.epochs", "must be >= 1")
         _require(self.micro_batch_size >= 1, f"{key}.micro_batch_size", "must be >= 1")
+        _require(self.logprob_chunk_rows >= 0, f"{key}.logprob_chunk_rows", "must be >= 0 rows (0 = auto)")
+        _require(self.logprob_max_gb > 0, f"{key}.logprob_max_gb", f"must be > 0 GB, got {self.logprob_max_gb}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,14 +242,19 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Orbax checkpoints under workdir/checkpoints, every N steps and at the end."""
+    """Orbax checkpoints under workdir/checkpoints, every N steps, after the first step that ends ``every_minutes``
+    or more after the last save (0 = off; a bound on the work a killed run loses when its steps are long), and at the
+    end."""
 
     every_steps: int = 5
+    every_minutes: float = 0.0
     max_to_keep: int = 3
     async_save: bool = True
 
     def validate(self, key: str) -> None:
         _require(self.every_steps >= 1, f"{key}.every_steps", "must be >= 1")
+        _require(self.every_minutes >= 0 and math.isfinite(self.every_minutes), f"{key}.every_minutes",
+                 f"must be >= 0 minutes (0 = no wall-clock checkpoints), got {self.every_minutes}")
         _require(self.max_to_keep >= 2, f"{key}.max_to_keep", "keep >= 2 so a corrupt latest can fall back")
 
 
@@ -306,12 +318,6 @@ class Config:
                 f"must be < model.tiny.vocab_size ({self.model.tiny.vocab_size})",
             )
         self._validate_drafter()
-        _require(
-            not (self.rollout.dtype and self.drafter.online),
-            "rollout.dtype",
-            "online drafter training reads the rollout's hidden states in the policy's dtype; leave rollout.dtype "
-            "empty with drafter.online=True",
-        )
         mini = self.rl.mini_batch_prompts or self.data.prompts_per_step
         _require(
             self.data.prompts_per_step % mini == 0,
@@ -324,6 +330,13 @@ class Config:
             "rl.micro_batch_size",
             f"{self.rl.micro_batch_size} must divide the sequences per update "
             f"(mini_batch_prompts x samples_per_prompt = {seqs})",
+        )
+        rows = self.data.prompts_per_step * self.rollout.samples_per_prompt
+        _require(
+            rows % max(self.rl.logprob_chunk_rows, 1) == 0,
+            "rl.logprob_chunk_rows",
+            f"{self.rl.logprob_chunk_rows} must divide the step's sequences (prompts_per_step x samples_per_prompt = "
+            f"{rows}), or be 0 (auto)",
         )
 
     def _validate_drafter(self) -> None:

@@ -44,6 +44,10 @@ class RolloutConfig:
     spec_depth: int = 8
     spec_topk: int = 4
     spec_verify_tokens: int = 48
+    # n-gram arms (speculative="ngram" or an "ngram:" adaptive arm) also draft from each prompt's responses in
+    # earlier RL steps: a host store of at most this many token bytes per engine (4 per token, oldest out, 16 per
+    # prompt), checkpointed with the run. 0 = off: it pays only once prompts recur (a second epoch).
+    ngram_history_bytes: int = 0
     # Rollout layout: the engines decode a copy of the policy in ``dtype`` ("" = the policy's own; "bfloat16" halves
     # weight and KV traffic while the trainer keeps float32 masters; the copy is re-made after every update, timed as
     # time/reshard_s, its per-device bytes rollout/reshard_bytes; weights split over mesh.tensor only, so decode steps
@@ -53,7 +57,7 @@ class RolloutConfig:
     # "stacked" (scanned, as the trainer holds them), "unstacked" (one array per layer, the layers run unrolled: on
     # GPU no per-step copies of stacked weight slices) or "auto" (unstacked on GPU, stacked elsewhere).
     layers: str = "auto"
-    # Rollout engines (slices): the mesh's data x fsdp groups split into this many engines, each on whole tensor-parallel
+    # Rollout engines (slices): the mesh's data x fsdp groups split into this many engines, each on whole TP
     # groups with its own requests, KV cache and host loop; -1: one engine per tensor-parallel group (a pod's layout:
     # no rollout step has a collective outside its TP group). Idle engines train the drafter (see drafter).
     num_slices: int = 1
@@ -93,6 +97,8 @@ class RolloutConfig:
                 f"--out={self.drafter_path}`",
             )
         _require(self.spec_threshold >= 1, f"{key}.spec_threshold", "must be >= 1")
+        _require(self.ngram_history_bytes >= 0, f"{key}.ngram_history_bytes",
+                 f"must be >= 0 bytes (0 = off), got {self.ngram_history_bytes}")
         _require(self.spec_depth >= 1, f"{key}.spec_depth", f"must be >= 1, got {self.spec_depth}")
         _require(self.spec_topk >= 1, f"{key}.spec_topk", f"must be >= 1, got {self.spec_topk}")
         top = 1 + self.spec_topk + (self.spec_depth - 1) * self.spec_topk**2
@@ -170,12 +176,6 @@ class DrafterConfig:
     row_len: int = 256
     prompt_context: int = 128
     hot_swap: bool = False  # publish each drafter step to the slices still decoding (at their next chunk)
-
-    def layer_layout(self, backend: str) -> str:
-        """The engines' layer layout on ``backend`` (jax.default_backend()): "auto" resolved."""
-        if self.layers != "auto":
-            return self.layers
-        return "unstacked" if backend == "gpu" else "stacked"
 
     def validate(self, key: str) -> None:
         _require(self.lr > 0 and not math.isnan(self.lr), f"{key}.lr", f"must be > 0, got {self.lr}")

@@ -10,27 +10,39 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.distributed.sharding import constrain
+
 NEG_INF = -jnp.inf
 
 
-def processed_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def processed_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array | None,
+                       top_p: jax.Array | None) -> jax.Array:
     """Log-probabilities of the distribution actually sampled from: temperature, then top-k, then top-p.
 
     logits [..., V]; temperature, top_k, top_p broadcastable to logits.shape[:-1] (top_k 0 = off, top_p 1 = off).
     Temperature 0 means greedy: a one-hot at the argmax (log-prob 0 there, -inf elsewhere).
     Ties at the top-k / top-p boundary keep every tied token, identically on every call. When no row filters (every
     top_k off, every top_p >= 1) the full-vocabulary sort is skipped: log_softmax(logits / temperature) directly.
+    ``top_k`` and ``top_p`` both None: no row can filter (an RL engine's), so no sort is compiled at all. The
+    log-probs keep the logits' layout (a vocabulary split over tensor-parallel devices stays split: no gather).
     """
     logits = logits.astype(jnp.float32)
     v = logits.shape[-1]
     batch = logits.shape[:-1]
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), batch)[..., None]
-    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), batch)[..., None]
-    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), batch)[..., None]
     greedy = temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature)
-    filters = jnp.any((top_k > 0) & (top_k < v) | (top_p < 1.0))
-    logp = jax.lax.cond(filters, _filtered, lambda x, *_: jax.nn.log_softmax(x, axis=-1), scaled, top_k, top_p)
+    if top_k is None and top_p is None:
+        logp = jax.nn.log_softmax(scaled, axis=-1)
+    else:
+        top_k = jnp.broadcast_to(jnp.asarray(0 if top_k is None else top_k, jnp.int32), batch)[..., None]
+        top_p = jnp.broadcast_to(jnp.asarray(1.0 if top_p is None else top_p, jnp.float32), batch)[..., None]
+        filters = jnp.any((top_k > 0) & (top_k < v) | (top_p < 1.0))
+        # each branch's result laid out as the logits (XLA would otherwise gather a conditional's result whole)
+        logical = ("batch",) + (None,) * (logits.ndim - 2) + ("vocab",)
+        logp = jax.lax.cond(filters, lambda x, k, p: constrain(_filtered(x, k, p), logical),
+                            lambda x, *_: constrain(jax.nn.log_softmax(x, axis=-1), logical), scaled, top_k, top_p)
+        logp = constrain(logp, logical)
     argmax = jnp.argmax(logits, axis=-1)[..., None]
     onehot = jnp.where(jnp.arange(v) == argmax, 0.0, NEG_INF)
     return jnp.where(greedy, onehot, logp)

@@ -187,12 +187,8 @@ def build_controlled(cfg, model, mesh, engine_kwargs: dict, workdir: str | None)
 
     from tlt_jax.config import ConfigError
     from tlt_jax.drafter.train import DrafterOptimConfig
-    from tlt_jax.rollout import HiddenCapture
 
     r, d = cfg.rollout, cfg.drafter
-    if d.online:
-        capture = HiddenCapture(window=d.window, max_bytes=d.buffer_bytes, prompt=d.prompt_context)
-        engine_kwargs = dict(engine_kwargs, capture=capture)
     try:
         rollout = SlicedRollout(model, mesh, r.num_slices, **engine_kwargs)
     except ValueError as e:

@@ -1,4 +1,5 @@
-"""Meshes with named axes (data, fsdp, tensor) and disjoint slices of one mesh for independent rollout engines."""
+"""Meshes with named axes (data, fsdp, tensor), ordered by node across processes (HSDP: tensor and FSDP inside a node,
+data across nodes), and disjoint slices of one mesh for independent rollout engines."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ AXES = ("data", "fsdp", "tensor")
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh shape over (data, fsdp, tensor); -1 in one place takes the remaining devices."""
+    """Mesh shape over (data, fsdp, tensor); -1 in one place takes the remaining devices. Across nodes ``tensor``
+    must divide a node's devices, and ``fsdp`` x ``tensor`` divide them (HSDP) or span whole nodes (``make_mesh``)."""
 
     data: int = -1
     fsdp: int = 1
@@ -38,9 +40,58 @@ class MeshConfig:
 
 
 def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:
+    """The (data, fsdp, tensor) mesh over ``devices`` (default: all). Devices of one locality unit (a process: a GPU
+    node; a TPU slice) in one process or slice keep their order. Across several, the mesh is hybrid
+    (:func:`hybrid_devices`): ``tensor`` and then ``fsdp`` inside a unit, ``data`` (and the rest of ``fsdp``) across
+    units, so tensor-parallel and FSDP collectives stay on NVLink / ICI."""
     devices = list(jax.devices() if devices is None else devices)
     shape = cfg.resolve(len(devices))
+    units = _locality_units(devices)
+    if len(units) > 1:
+        return Mesh(hybrid_devices(shape, units), AXES)
     return Mesh(np.asarray(devices).reshape(shape), AXES)
+
+
+def _locality_units(devices: list) -> list[list]:
+    """``devices`` grouped by what shares a fast interconnect: a TPU slice (``slice_index``), else a process (a GPU
+    node), in unit order; each unit's devices by id."""
+    tpu = devices[0].platform == "tpu"
+    key = (lambda d: getattr(d, "slice_index", 0)) if tpu else (lambda d: d.process_index)
+    units: dict[int, list] = {}
+    for d in devices:
+        units.setdefault(key(d), []).append(d)
+    return [sorted(units[k], key=lambda d: d.id) for k in sorted(units)]
+
+
+def hybrid_devices(shape: tuple[int, int, int], units: list[list]) -> np.ndarray:
+    """A [data, fsdp, tensor] device array over equal locality ``units`` (``mesh_utils.create_hybrid_device_mesh``'s
+    layout, unit = granule): ``tensor`` inside a unit, then as much of ``fsdp`` as fits the unit, then ``data``; the
+    remaining ``data`` (and, when an FSDP group is larger than a unit, ``fsdp``) across units. A ValueError when a
+    tensor-parallel group would span units, or an FSDP group would hold part of a unit beside another unit."""
+    data, fsdp, tensor = shape
+    per = len(units[0])
+    if any(len(u) != per for u in units):
+        raise ValueError(f"devices per process differ ({sorted({len(u) for u in units})}): a mesh needs equal nodes")
+    if per % tensor:
+        raise ValueError(f"mesh.tensor={tensor} does not divide the {per} devices of a process (node): a "
+                         f"tensor-parallel group would span nodes; use a divisor of {per}")
+    room = per // tensor
+    if room % fsdp == 0:  # FSDP groups inside a node (HSDP); the node's other groups are data-parallel
+        inner_data, inner_fsdp = room // fsdp, fsdp
+    elif fsdp % room == 0:  # FSDP groups of whole nodes (ZeRO-3 over the network), data across groups of nodes
+        inner_data, inner_fsdp = 1, room
+    else:
+        raise ValueError(
+            f"mesh fsdp x tensor = {fsdp} x {tensor} neither fits inside a {per}-device process (node) nor spans whole "
+            f"ones: choose fsdp dividing {room} (FSDP inside a node, data across nodes) or a multiple of {room}"
+        )
+    if data % inner_data:
+        raise ValueError(f"mesh.data={data} does not split into {inner_data} data groups per node")
+    outer = (data // inner_data, fsdp // inner_fsdp)
+    grid = np.empty((len(units), per), dtype=object)
+    grid[:] = units
+    grid = grid.reshape(*outer, inner_data, inner_fsdp, tensor)  # [nodes: data, fsdp; in a node: data, fsdp, tensor]
+    return grid.transpose(0, 2, 1, 3, 4).reshape(shape)
 
 
 def single_device_mesh(device=None) -> Mesh:

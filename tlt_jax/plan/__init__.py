@@ -1,12 +1,14 @@
 """The run's memory and collective plan, compiled ahead of time from abstract state (no weights are loaded).
 
-    python -m tlt_jax.plan --config=configs/qwen2p5_7b_gsm8k.py --shape=qwen2.5-7b --devices=8 [--json=PATH]
+    python -m tlt_jax.plan --config=configs/qwen2p5_7b_gsm8k.py --shape=qwen2.5-7b --target=h100:1x8 [--json=PATH]
+    python -m tlt_jax.plan --config=... --devices=8    # XLA:CPU over 8 simulated devices
 
-``plan_run(cfg, mesh)`` compiles the train step, the log-prob pass, the rollout engine's decode and verify steps (and
-the online drafter's step) on the run's mesh and returns a :class:`Plan`: per-device argument, temporary and
-collective bytes per step, the resident state, the peak and whether it fits. ``startup_check`` is the main job's
-use of it (``train.plan_check``). See ``core`` (the steps, the peak), ``abstract`` (the abstract state) and ``hlo``
-(collective bytes from the compiled HLO text).
+``plan_run(cfg, mesh)`` compiles every program the run executes on the run's mesh (per engine: prefill, decode,
+verify, compact, the online drafter's step; globally: reshard, train, log-prob passes) and returns a :class:`Plan`:
+per-device argument, temporary and collective bytes per step, the resident buffers, the peak per phase and whether it
+fits. ``startup_check`` is the main job's use of it (``train.plan_check``). See ``core`` (the programs),
+``rollout`` (the engine's steps and reachable keys), ``report`` (the figures and phases), ``abstract`` (the abstract
+state), ``hlo`` (collective bytes from the compiled HLO text) and ``targets`` (compile-only GPUs and TPUs).
 """
 
 from tlt_jax.plan.abstract import SHAPES

@@ -3,8 +3,8 @@ trainer as ``jax.ShapeDtypeStruct`` pytrees with their shardings. Nothing of mod
 
 What mirrors another module (keep them in step; ``tests/test_plan.py`` compares each with the real object built on a
 tiny config): the train state's shardings (``rl.train_step.init_train_state``), the reference copy and the loss
-settings (``rl.learner.GRPOLearner``), the engine's arguments (``builders.build_engine`` / ``adaptive_spec``,
-``controller.online.build_controlled``) and the drafter trainer (``drafter.spot.SpotTrainer``). The engine itself is
+settings (``rl.learner.GRPOLearner``), the engine's arguments (``builders.engine_kwargs``, shared with
+``builders.build_engine``) and the drafter trainer (``drafter.spot.SpotTrainer``). The engine itself is
 the real ``RolloutEngine``, constructed while tracing over the abstract policy, so its rollout layout, its compiled
 steps and their shardings are the engine's own.
 """
@@ -22,7 +22,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tlt_jax.builders import eval_max_new_tokens, fresh_eagle_drafter, tiny_model_config
+from tlt_jax.builders import engine_kwargs, fresh_eagle_drafter, tiny_model_config
+from tlt_jax.builders import longest_prompt as prompt_length
 from tlt_jax.config import Config, ConfigError
 from tlt_jax.distributed import LogicalRules, engine_meshes, state_shardings
 from tlt_jax.models import ModelConfig
@@ -40,6 +41,7 @@ __all__ = [
     "batch_sds",
     "device_bytes",
     "drafter_trainer",
+    "eagle_drafter",
     "engine_kwargs",
     "loss_config",
     "model_config",
@@ -88,11 +90,6 @@ def model_config(cfg: Config, shape: str | None = None) -> ModelConfig:
         f"config.model.path: {path or '(empty)'} is neither an HF directory with config.json nor a .gguf file; the "
         f"plan needs only the model's shape: give the directory, or --shape=NAME (one of {sorted(SHAPES)})"
     )
-
-
-def prompt_length(cfg: Config) -> int:
-    """The longest prompt the run can see: the synthetic prompts' length, else data.max_prompt_len."""
-    return cfg.data.synthetic.prompt_len if cfg.data.source == "synthetic" else cfg.data.max_prompt_len
 
 
 def sequence_length(cfg: Config) -> int:
@@ -187,31 +184,11 @@ def train_batch(cfg: Config, mesh: Mesh, rules: LogicalRules = LogicalRules()) -
     return batch
 
 
-def engine_kwargs(cfg: Config, backend: str, drafter: Any = None) -> dict:
-    """RolloutEngine keyword arguments of the run (``builders.build_engine``; ``drafter`` is the EAGLE drafter
-    module when the run drafts with one). The cache length covers the longest prompt (``prompt_length``)."""
-    from tlt_jax.adaptive import parse_arms
-    from tlt_jax.rollout import HiddenCapture, SpecConfig
-
-    r, d = cfg.rollout, cfg.drafter
-    rows = cfg.data.prompts_per_step * r.samples_per_prompt
-    max_len = bucket_length(prompt_length(cfg) + max(r.max_new_tokens, eval_max_new_tokens(cfg)))
-    kwargs = dict(max_batch=max(rows, cfg.eval.batch_size), max_len=max_len, tail_threshold=max(1, rows // 4),
-                  attention_impl=r.attention_impl, layers=r.layer_layout(backend))
-    if r.dtype:
-        kwargs["dtype"] = jnp.dtype(r.dtype)
-    if r.speculative == "adaptive":
-        arms = parse_arms(r.spec_arms)
-        spec = SpecConfig(arms=arms, epsilon=r.spec_epsilon, window=r.spec_window, patience=r.spec_patience,
-                          threshold=r.spec_threshold, seed=cfg.train.seed, max_loss=r.spec_max_loss or None)
-        kwargs.update(spec=spec, drafter=drafter if any(a.kind == "eagle" for a in arms) else None)
-    elif r.speculative != "off":
-        spec = SpecConfig(depth=r.spec_depth, topk=r.spec_topk, verify_tokens=r.spec_verify_tokens,
-                          threshold=r.spec_threshold)
-        kwargs.update(spec=spec, drafter="ngram" if r.speculative == "ngram" else drafter)
-    if d.online:
-        kwargs["capture"] = HiddenCapture(window=d.window, max_bytes=d.buffer_bytes, prompt=d.prompt_context)
-    return kwargs
+def _same_placement(a: Any, b: Any) -> bool:
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(x.shape == y.shape and x.dtype == y.dtype and x.sharding.is_equivalent_to(y.sharding, len(x.shape))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 @dataclasses.dataclass
@@ -225,11 +202,33 @@ class AbstractEngine:
     holds_copy: bool
 
 
-def _same_placement(a: Any, b: Any) -> bool:
-    if jax.tree.structure(a) != jax.tree.structure(b):
-        return False
-    return all(x.shape == y.shape and x.dtype == y.dtype and x.sharding.is_equivalent_to(y.sharding, len(x.shape))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+def eagle_drafter(cfg: Config, mcfg: ModelConfig) -> tuple[Any, tuple[int, ...] | None]:
+    """(a callable making the EAGLE drafter the run starts from, its draft vocabulary or None). The drafter of
+    ``rollout.drafter_path`` when it exists there (its saved shape and draft vocabulary; weights are not read),
+    else a fresh one of the policy's shape (``drafter.online`` with an empty path, or a path the plan cannot read:
+    the shapes are the policy's either way)."""
+    import json
+
+    import numpy as np
+
+    from tlt_jax.assets import resolve_drafter_path
+    from tlt_jax.drafter.eagle import EagleDrafter
+    from tlt_jax.drafter.export import CONFIG_FILE, VOCAB_FILE, config_from_dict
+
+    path = resolve_drafter_path(cfg.rollout.drafter_path) if cfg.rollout.drafter_path else ""
+    if not path or not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        return (lambda: fresh_eagle_drafter(cfg, mcfg)), None
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        dcfg = config_from_dict(json.load(f)["policy_config"])
+    vocab_file = os.path.join(path, VOCAB_FILE)
+    vocab = tuple(int(t) for t in np.unique(np.load(vocab_file))) if os.path.isfile(vocab_file) else None
+
+    def make():
+        d = EagleDrafter(dcfg, dtype=jnp.dtype(cfg.model.dtype), rngs=nnx.Rngs(0))
+        d.set_draft_vocab(None if vocab is None else np.asarray(vocab))
+        return d
+
+    return make, vocab
 
 
 def abstract_engine(cfg: Config, policy: AbstractPolicy, mesh: Mesh, backend: str,
@@ -241,10 +240,10 @@ def abstract_engine(cfg: Config, policy: AbstractPolicy, mesh: Mesh, backend: st
 
     r = cfg.rollout
     needs_drafter = r.needs_eagle
-    drafter = nnx.eval_shape(lambda: fresh_eagle_drafter(cfg, policy.config)) if needs_drafter else None
+    drafter = nnx.eval_shape(eagle_drafter(cfg, policy.config)[0]) if needs_drafter else None
     d_graphdef, d_state = nnx.split(drafter) if needs_drafter else (None, None)
     try:
-        engine_mesh = engine_meshes(mesh, r.num_slices)[0]
+        engine_mesh = engine_meshes(mesh, r.num_slices)[0] if r.num_slices != 1 else mesh  # as SlicedRollout
     except ValueError as e:
         raise ConfigError(f"config.rollout.num_slices: {e}") from e
     built = []
@@ -282,10 +281,11 @@ def drafter_trainer(cfg: Config, eng: AbstractEngine, rules: LogicalRules = Logi
 
     mesh, engine = eng.mesh, eng.engine
     opt = make_drafter_optimizer(DrafterOptimConfig(learning_rate=cfg.drafter.lr))
+    make, vocab = eagle_drafter(cfg, engine.config)
     graphdefs = []
 
     def init():
-        graphdef, state = init_drafter_train_state(fresh_eagle_drafter(cfg, engine.config), opt)
+        graphdef, state = init_drafter_train_state(make(), opt)
         graphdefs.append(graphdef)
         return state
 
@@ -301,5 +301,6 @@ def drafter_trainer(cfg: Config, eng: AbstractEngine, rules: LogicalRules = Logi
                          segment_ids=sds((rows, t), jnp.int32), loss_mask=sds((rows, t), jnp.float32))
     ids = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))  # ``step_ids``
     policy = nnx.merge(engine.graphdef, engine.params)
-    step = keyed_step(make_drafter_train_step(graphdefs[-1], opt, DrafterLossConfig(), mesh, rules), cfg.train.seed)
+    loss = DrafterLossConfig(vocab=vocab)  # SpotTrainer: the token loss over the draft vocabulary when there is one
+    step = keyed_step(make_drafter_train_step(graphdefs[-1], opt, loss, mesh, rules), cfg.train.seed)
     return step, (state, policy, batch, ids)

@@ -21,8 +21,13 @@ from tlt_jax.distributed import LogicalRules, with_activations
 from tlt_jax.distributed.sharding import activation_context
 
 __all__ = [
+    "GB",
     "batch_logprobs",
+    "cast_to_compute",
+    "choose_chunk_rows",
     "chunked_token_logprobs",
+    "logprob_row_bytes",
+    "logprob_chunk_rows",
     "make_logprob_fn",
     "sequence_logprobs",
     "split_rows",
@@ -143,6 +148,52 @@ def chunked_token_logprobs(model, hidden: jax.Array, targets: jax.Array, tempera
     return unchunk(logp), unchunk(ent)
 
 
+GB = 10**9  # decimal, as device memory is quoted (rl.logprob_max_gb)
+# Queries per attention block of a full-sequence forward: tlt_jax.models.layers.ATTENTION_BLOCK (equal by test; not
+# imported, so rl does not depend on models' internals).
+ATTENTION_BLOCK = 512
+
+
+def logprob_row_bytes(mcfg, seq_len: int, *, tensor: int = 1, compute_bytes: int = 2) -> int:
+    """Estimated temporaries one sequence of ``seq_len`` tokens adds to a log-prob pass's chunk, on a device that
+    holds it (the chunk's rows split over the batch axes; heads, MLP and vocabulary over ``tensor``): the residual
+    stream and its projections (6 x T x H, compute dtype) plus the largest of one attention block's float32 scores and
+    weights (2 x heads x ATTENTION_BLOCK x T), the MLP's three [T, I] intermediates and one LM-head chunk's float32
+    logits, log-softmax and exp (3 x LOGIT_CHUNK x V); a forward without gradients holds one at a time. Not counted:
+    a gathered layer and the compute-dtype copy (:func:`cast_to_compute`). XLA:GPU needs less: Qwen2.5-7B, T = 3072,
+    8 H100s, FSDP 8: 0.36 GB a row against 0.48 GB estimated (the reference pass's temporaries at 1 and 16 rows per
+    device, benchmarks/results/logprob_gather_qwen7b_h100x8_fsdp8_*.json)."""
+    t = seq_len
+    local = 6 * t * mcfg.hidden_size * compute_bytes
+    split = max(2 * mcfg.num_heads * min(t, ATTENTION_BLOCK) * t * 4, 3 * t * mcfg.intermediate_size * compute_bytes,
+                3 * min(t, LOGIT_CHUNK) * mcfg.vocab_size * 4)
+    return local + -(-split // tensor)
+
+
+def choose_chunk_rows(rows: int, row_bytes: int, *, batch_devices: int, budget_bytes: int) -> int:
+    """The most rows per chunk that divide ``rows``, split evenly over ``batch_devices``, and whose estimated
+    temporaries per device (rows per device x ``row_bytes``) stay within ``budget_bytes``; the smallest such chunk
+    when none does. A ValueError when no multiple of ``batch_devices`` divides ``rows``."""
+    cands = [r for r in range(batch_devices, rows + 1, batch_devices) if rows % r == 0]
+    if not cands:
+        raise ValueError(f"{rows} rows do not split into chunks over {batch_devices} batch devices")
+    fit = [r for r in cands if r // batch_devices * row_bytes <= budget_bytes]
+    return max(fit) if fit else cands[0]
+
+
+def logprob_chunk_rows(cfg, mesh, mcfg, rows: int, seq_len: int, rules: LogicalRules = LogicalRules()) -> int:
+    """Rows per chunk of the old-policy and reference passes over ``rows`` sequences of ``seq_len`` tokens of the
+    model ``mcfg`` on ``mesh``: ``rl.logprob_chunk_rows`` when set, else (0, auto) the largest chunk whose estimated
+    temporaries (:func:`logprob_row_bytes`) fit ``rl.logprob_max_gb`` per device. Not ``rl.micro_batch_size``: with
+    FSDP each chunk gathers the whole model once (64 chunks of 8 rows: 857 GB per device for Qwen2.5-7B on 8 GPUs)."""
+    if cfg.rl.logprob_chunk_rows:
+        return cfg.rl.logprob_chunk_rows
+    batch = math.prod(mesh.shape[a] for a in rules.lookup("batch") if a in mesh.shape)
+    row = logprob_row_bytes(mcfg, seq_len, tensor=mesh.shape.get("tensor", 1),
+                            compute_bytes=jnp.dtype(cfg.model.dtype).itemsize)
+    return choose_chunk_rows(rows, row, batch_devices=batch, budget_bytes=int(cfg.rl.logprob_max_gb * GB))
+
+
 @jax.custom_vjp
 def _plus_into(weight: jax.Array, acc: jax.Array) -> jax.Array:
     """``weight`` itself; differentiated, its cotangent plus ``acc`` (which gets none)."""
@@ -246,6 +297,21 @@ def sequence_logprobs(
     return jnp.concatenate([pad, logp * valid], axis=1), jnp.concatenate([pad, ent * valid], axis=1)
 
 
+def cast_to_compute(model) -> None:
+    """Inside a trace, cast the floating parameters of every module that computes in ``module.dtype`` (projections,
+    biases, embedding, LM head) to that dtype, once, before the layers run: each use casts them so anyway (the same
+    values), but FSDP then gathers bfloat16 weights, half a float32 gather (the old-policy pass on the float32
+    masters). RMSNorm has no ``dtype`` (it scales in float32) and keeps its own."""
+    for _, module in nnx.iter_modules(model):
+        dtype = getattr(module, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            continue
+        for var in vars(module).values():
+            if (isinstance(var, nnx.Param) and jnp.issubdtype(var.get_value().dtype, jnp.floating)
+                    and jnp.finfo(var.get_value().dtype).bits > jnp.finfo(dtype).bits):
+                var.set_value(var.get_value().astype(dtype))
+
+
 def batch_logprobs(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -256,8 +322,10 @@ def batch_logprobs(
     chunk_size: int,
     temperature: float = 1.0,
 ) -> jax.Array:
-    """Log-probs [B, T] computed ``chunk_size`` rows at a time (bounded logits memory), no gradients."""
+    """Log-probs [B, T] computed ``chunk_size`` rows at a time (bounded activation memory), no gradients. With FSDP
+    every chunk gathers every layer's weights once: fewer, larger chunks gather less (:func:`logprob_chunk_rows`)."""
     model = nnx.merge(graphdef, params, rest)
+    cast_to_compute(model)
 
     def one(xs):
         ids, mask = xs
@@ -269,7 +337,8 @@ def batch_logprobs(
 
 def make_logprob_fn(graphdef: nnx.GraphDef, *, chunk_size: int, temperature: float, out_sharding=None, mesh=None,
                     rules: LogicalRules = LogicalRules()):
-    """Jitted ``fn(params, rest, input_ids, attention_mask) -> logp [B, T]`` for the policy or the reference; with a
-    mesh, activations split by batch through every layer (as in the train step)."""
+    """Jitted ``fn(params, rest, input_ids, attention_mask) -> logp [B, T]`` for the policy or the reference, in
+    chunks of ``chunk_size`` rows (the run's: :func:`logprob_chunk_rows`); with a mesh, activations split by batch
+    through every layer (as in the train step)."""
     fn = functools.partial(batch_logprobs, graphdef, chunk_size=chunk_size, temperature=temperature)
     return jax.jit(with_activations(fn, mesh, rules), out_shardings=out_sharding)

@@ -196,10 +196,10 @@ def row_sampling(state: DecodeState, spec: SpecConfig) -> DraftSampling:
 
 
 def verify_rows(model, state: DecodeState, tree: Tree, spec: SpecConfig, length: int,
-                sampling: DraftSampling | None = None) -> VerifyOutput:
+                sampling: DraftSampling | None = None, filters: bool = True) -> VerifyOutput:
     """Verify ``tree`` for every row with plain decoding's keys and the rows' own sampling params, stop tokens and
     budgets; the policy reads the first ``length`` cache positions. ``sampling``: ``row_sampling(state, spec)``
-    when the caller already made it."""
+    when the caller already made it; ``filters``: top-k / top-p compiled in (``StepContext.sampling_filters``)."""
     keys = (sampling or row_sampling(state, spec)).keys
     return verify_tree(
         model,
@@ -207,8 +207,8 @@ def verify_rows(model, state: DecodeState, tree: Tree, spec: SpecConfig, length:
         tree,
         keys,
         state.temperature,
-        state.top_k,
-        state.top_p,
+        state.top_k if filters else None,
+        state.top_p if filters else None,
         state.stop_ids,
         state.max_new - state.num_generated,
         ~state.done,
@@ -233,7 +233,7 @@ def build_verify_eagle(ctx: StepContext, spec: SpecConfig, key: StepKey):
             model, drafter, view, state.last_token, depth=spec.depth, topk=spec.topk, num_nodes=spec.verify_tokens,
             head=head, sampling=sampling if spec.coupled else None,
         )
-        out = verify_rows(model, state, tree, spec, length, sampling)
+        out = verify_rows(model, state, tree, spec, length, sampling, ctx.sampling_filters)
         emitted = jnp.maximum(out.tokens, 0)
         ds = drafter_extend(model, drafter, ds, out.hidden, emitted, out.num_emitted, attend_len=dlen)
         sync = record_pairs(sync, state.cache.lengths, out.hidden, emitted, out.num_emitted)  # for a rebuild (forget)
@@ -275,7 +275,7 @@ def build_verify_ngram(ctx: StepContext, spec: SpecConfig, key: StepKey):
         ngen, active, position = state.num_generated, ~state.done, state.cache.lengths
         tokens = tokens.at[:, 0].set(state.last_token)
         tree = make_tree(tokens, parent, valid, spec.depth)
-        out = verify_rows(model, state, tree, spec, length)
+        out = verify_rows(model, state, tree, spec, length, filters=ctx.sampling_filters)
         state = commit_verify(state, out, ctx.capture_side)
         if ctx.drafter_graphdef is not None:  # beside EAGLE arms: the drafter catches up over these tokens later
             state = state.replace(aux=record_pairs(state.aux, position, out.hidden, jnp.maximum(out.tokens, 0),

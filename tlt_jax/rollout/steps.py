@@ -55,6 +55,7 @@ class StepContext:
     report_tokens: bool = False  # info carries the emitted tokens (host-side drafters need the contexts)
     capture_prompt: int = 0  # prefill also returns each prompt's last hidden states before its final position
     per_layer_cache: bool = False  # KVCache layout: per layer (an unstacked policy, layers unrolled) or stacked
+    sampling_filters: bool = True  # top-k / top-p compiled in (False: no row may set them; no sort compiled)
 
     def merge(self, params) -> tuple[Any, Any]:
         """(policy, drafter or None) modules from the step's params pytree."""
@@ -98,14 +99,15 @@ class StepContext:
         return NamedSharding(self.mesh, spec)
 
 
-def choose_tokens(logits: jax.Array, state: DecodeState, positions: jax.Array) -> jax.Array:
+def choose_tokens(logits: jax.Array, state: DecodeState, positions: jax.Array, filters: bool = True) -> jax.Array:
     """Sample each row's next token from its processed distribution (counter-based keys at ``positions``, derived
-    only when some row samples: an all-greedy batch takes the argmax)."""
+    only when some row samples: an all-greedy batch takes the argmax); ``filters``: top-k / top-p compiled in."""
 
     def keys():
         return token_keys(state.seed, state.request_id, state.sample_id, positions)
 
-    return sample_tokens(logits, keys, state.temperature, state.top_k, state.top_p)
+    top_k, top_p = (state.top_k, state.top_p) if filters else (None, None)
+    return sample_tokens(logits, keys, state.temperature, top_k, top_p)
 
 
 def record(state: DecodeState, tok: jax.Array, logits: jax.Array, hidden: jax.Array, side: str) -> DecodeState:
@@ -137,13 +139,14 @@ def record(state: DecodeState, tok: jax.Array, logits: jax.Array, hidden: jax.Ar
     )
 
 
-def decode_one(model, state: DecodeState, length: int, side: str) -> tuple[DecodeState, jax.Array, jax.Array]:
+def decode_one(model, state: DecodeState, length: int, side: str,
+               filters: bool = True) -> tuple[DecodeState, jax.Array, jax.Array]:
     """One plain decode step over every row; attention reads only cache positions < ``length``. Returns the new state
     and the drafter's pair of the step: the policy's hidden state of the fed token [B, H] and the sampled token [B]."""
     active = ~state.done
     out = model(state.last_token[:, None], cache=state.cache, attend_len=length)
     logits = out.logits[:, 0].astype(jnp.float32)
-    tok = choose_tokens(logits, state, state.cache.lengths + 1)
+    tok = choose_tokens(logits, state, state.cache.lengths + 1, filters)
     cache = state.cache.append(out.k_new, out.v_new, active.astype(jnp.int32))
     return record(state.replace(cache=cache), tok, logits, out.hidden[:, 0], side), out.hidden[:, 0], tok
 
@@ -204,7 +207,7 @@ def build_prefill(ctx: StepContext, key: StepKey):
             logprobs=jnp.zeros((b, s_max), jnp.float32),
             hidden=jnp.zeros((b, ctx.capture_window, cfg.hidden_size), jnp.float32) if ctx.capture_window else None,
         )
-        tok = choose_tokens(logits, state, cache.lengths)
+        tok = choose_tokens(logits, state, cache.lengths, ctx.sampling_filters)
         if drafter is not None:
             state = state.replace(aux=_prompt_pairs(ctx, out, ids, lens, init, tok))
         state = record(state, tok, logits, hidden, ctx.capture_side)
@@ -239,7 +242,7 @@ def build_decode(ctx: StepContext, key: StepKey):
         def body(c):
             i, s = c
             position, active = s.cache.lengths, ~s.done
-            s, h, tok = decode_one(model, s, length, ctx.capture_side)
+            s, h, tok = decode_one(model, s, length, ctx.capture_side, ctx.sampling_filters)
             if ctx.drafter_graphdef is not None:
                 s = s.replace(aux=record_pairs(s.aux, position, h[:, None], tok[:, None], active.astype(jnp.int32)))
             return i + 1, s

@@ -65,7 +65,7 @@ def sample_tree(logits: jax.Array, tree: Tree, keys: jax.Array, temperature, top
     """[B, N] one sample per node from the processed distribution of its logits, keyed by the node's depth."""
     b, n, _ = logits.shape
     bcast = lambda x: jnp.broadcast_to(jnp.asarray(x).reshape(-1, 1) if jnp.ndim(x) else x, (b, n))
-    temperature, top_k, top_p = bcast(temperature), bcast(top_k), bcast(top_p)
+    temperature, top_k, top_p = (None if x is None else bcast(x) for x in (temperature, top_k, top_p))
     node_keys = jnp.take_along_axis(keys, jnp.clip(tree.depth, 0, keys.shape[1] - 1), axis=1)
     return sample_tokens(logits, node_keys, temperature, top_k, top_p)
 
@@ -142,7 +142,8 @@ def verify_tree(policy, cache: KVCache, tree: Tree, keys, temperature, top_k, to
     """Verify a tree for every row and commit the accepted path's KV (root + accepted nodes that precede the last
     emitted token: the last emitted token is the next root and gets its KV when it is fed, as in plain decoding).
 
-    keys [B, D+1] from ``depth_keys``; temperature/top_k/top_p [B]; stop_tokens [S] or [B, S] (-1 pads); remaining
+    keys [B, D+1] from ``depth_keys``; temperature/top_k/top_p [B] (top_k and top_p None: no row filters, no sort
+    compiled); stop_tokens [S] or [B, S] (-1 pads); remaining
     [B] tokens left in each row's budget (>= 1 for active rows); active [B] bool. The commit writes at most
     ``remaining`` rows past the committed length. attend_len (static): the forward reads only the first attend_len
     cache positions (a length bucket >= every committed length); the commit still goes to the full cache.
@@ -150,7 +151,7 @@ def verify_tree(policy, cache: KVCache, tree: Tree, keys, temperature, top_k, to
     out = tree_forward(policy, cache, tree, max_depth, attend_len)
     b = tree.tokens.shape[0]
     active = jnp.broadcast_to(jnp.asarray(active, bool), (b,))
-    temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(x, dt), (b,)) for x, dt in
+    temperature, top_k, top_p = (None if x is None else jnp.broadcast_to(jnp.asarray(x, dt), (b,)) for x, dt in
                                  ((temperature, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32)))
 
     def greedy(_):  # all-greedy batch: argmax at every node (what the processed one-hot gives), no sort or noise
