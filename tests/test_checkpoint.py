@@ -276,3 +276,26 @@ def test_a_save_buffers_at_most_its_in_flight_bytes(tmp_path):
     assert out["default"]["same"] and out["limited"]["same"]
     # Seen on the 2-core VM beside a second pytest worker: default 0.58-0.93, limited 0.0-0.40 (3.11 and 3.12 sets).
     assert out["limited"]["growth"] < min(0.6, out["default"]["growth"]), out
+
+
+def test_main_job_checkpoints_on_the_wall_clock_interval(tmp_path, monkeypatch):
+    """checkpoint.every_minutes: the main job (configs/tiny.py) saves after the first step that ends that long after
+    the last save, besides every_steps and the end. A clock that advances 35 s per reading: 70 s after the start
+    (step 1) and after the save at step 1 (step 3) a save is due; step 5 is the end."""
+    import itertools
+
+    from test_main import _cfg
+
+    import tlt_jax.main as main_job
+    from tlt_jax.config import ConfigError
+
+    ticks = itertools.count()
+    monkeypatch.setattr(main_job, "_clock", lambda: 35.0 * next(ticks))
+    overrides = ("--config.train.num_steps=5", "--config.checkpoint.every_steps=100", "--config.eval.at_start=False",
+                 "--config.checkpoint.max_to_keep=3")
+    main_job.run(_cfg("tiny.py", *overrides, "--config.checkpoint.every_minutes=1"), str(tmp_path / "clock"))
+    main_job.run(_cfg("tiny.py", *overrides), str(tmp_path / "steps"))  # every_minutes = 0: off
+    steps = lambda d: sorted(int(p.name) for p in (tmp_path / d / "checkpoints").iterdir() if p.name.isdigit())
+    assert (steps("clock"), steps("steps")) == ([1, 3, 5], [5])
+    with pytest.raises(ConfigError, match="every_minutes"):
+        _cfg("tiny.py", "--config.checkpoint.every_minutes=-1")

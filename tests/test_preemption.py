@@ -354,15 +354,20 @@ exit 1
 FAKE_SCONTROL = """#!/bin/bash
 echo "scontrol $*" >> "$FAKE_SCONTROL_LOG"
 """
+FAKE_SQUEUE = """#!/bin/bash
+[[ -n "${FAKE_TIME_LEFT:-}" ]] || exit 1  # (no time limit known)
+echo "$FAKE_TIME_LEFT"
+"""
 
 
 def _sbatch(tmp_path, **env_extra) -> tuple[subprocess.Popen, int, str]:
     """launch/slurm/train.sbatch run by bash with stand-ins for srun (runs the one task), the task (waits for
     SIGTERM, then exits 143 like the main job) and scontrol (records its arguments); returns the script's process,
-    the task's pid and the task's command line."""
+    the task's pid and the task's command line; ``proc.head`` holds the script's lines before the task's. squeue
+    answers FAKE_TIME_LEFT (as its %L), or fails without it."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in (("srun", FAKE_SRUN), ("task", FAKE_TASK), ("scontrol", FAKE_SCONTROL)):
+    for name, text in (("srun", FAKE_SRUN), ("task", FAKE_TASK), ("scontrol", FAKE_SCONTROL), ("squeue", FAKE_SQUEUE)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", MODEL="/m", DATA="/d",
@@ -370,10 +375,12 @@ def _sbatch(tmp_path, **env_extra) -> tuple[subprocess.Popen, int, str]:
                **env_extra)
     proc = subprocess.Popen(["bash", str(REPO / "launch" / "slurm" / "train.sbatch"), "--config.train.num_steps=3"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc.head = ""
     for line in proc.stdout:
         if line.startswith("task "):
             _, pid, args = line.split(" ", 2)
             return proc, int(pid), args
+        proc.head += line
     raise AssertionError(f"the task never started (status {proc.wait()})")
 
 
@@ -401,3 +408,46 @@ def test_sbatch_requeues_after_the_time_limit_signal_only(tmp_path):
     proc, _, _ = _sbatch(tmp_path / "done", FAKE_EXIT="0")
     out = proc.stdout.read()
     assert proc.wait(timeout=30) == 0 and not (tmp_path / "done" / "scontrol.log").exists(), out
+
+
+def test_sbatch_stops_the_tasks_stop_lead_s_before_the_time_limit(tmp_path):
+    """STOP_LEAD_S: with 3 s left by squeue and a lead of 1 s the script stops the task itself about 2 s in (SIGTERM,
+    exit 143, requeue) with no signal from SLURM; squeue's day-hour form is read; a lead that is not whole seconds
+    is refused before srun starts."""
+    t0 = time.monotonic()
+    proc, _, _ = _sbatch(tmp_path / "lead", FAKE_TIME_LEFT="0:03", STOP_LEAD_S="1")
+    out = proc.stdout.read()
+    assert proc.wait(timeout=30) == 143 and 1.5 <= time.monotonic() - t0 < 20, out
+    assert "3 s left; the tasks are asked to stop and save 1 s (STOP_LEAD_S)" in proc.head, proc.head
+    assert "task got TERM" in out and "requeueing job 4242" in out, out
+    proc, task, _ = _sbatch(tmp_path / "days", FAKE_TIME_LEFT="1-02:03:09")
+    os.kill(task, signal.SIGTERM)
+    proc.stdout.read()
+    assert proc.wait(timeout=30) == 143 and f"{86400 + 2 * 3600 + 3 * 60 + 9} s left" in proc.head, proc.head
+    env = dict(os.environ, MODEL="/m", DATA="/d", SLURM_JOB_ID="1", STOP_LEAD_S="10m")
+    p = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "train.sbatch")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "STOP_LEAD_S must be whole seconds, got '10m'" in p.stdout, p.stdout
+
+
+def test_a_stop_cut_short_mid_step_keeps_the_last_checkpoint_and_resumes(tmp_path, reference):
+    """A lead time shorter than a step: SIGTERM while step 4 runs, then the scheduler's SIGKILL before it ends (and
+    before its save). Step 2's checkpoint is intact and the run resumes from it with the uninterrupted metrics."""
+    for _attempt in range(3):
+        work = tmp_path / f"cut{_attempt}"
+        proc = _start(work, tmp_path / f"cut{_attempt}.log", "--config.checkpoint.every_steps=2")
+        _wait_for_step(work, 3, [proc])
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            proc.kill()
+        rc = proc.wait(timeout=60)
+        if rc == -signal.SIGKILL and 4 not in _checkpoint_steps(work):
+            break  # else it outran the kill: nothing to test, try again
+    assert rc == -signal.SIGKILL and 2 in _checkpoint_steps(work), (rc, _checkpoint_steps(work))
+    rc, out = _run(work, tmp_path / "resumed.log", "--config.checkpoint.every_steps=2")
+    assert rc == 0 and "resumed from step 2" in out, out[-3000:]
+    ref, resumed = _train_rows(reference), _train_rows(work)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in ref:
+        _assert_same_metrics(ref[step], resumed[step], step)

@@ -287,3 +287,19 @@ def test_on_policy_update_equals_the_update_with_recomputed_old_logprobs():
     np.testing.assert_allclose(float(m1["loss"]), float(m0["loss"]), rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_the_optimizer_update_is_computed_once():
+    """The compiled step holds one Adam update per parameter (one sqrt of each second moment, plus the gradient norm
+    and the clipping's norm), not a second copy of the update to check it is finite."""
+    import re
+
+    cfg = tiny_config()
+    graphdef, params, rest = nnx.split(_model(cfg), nnx.Param, ...)
+    tx = make_optimizer(OptimConfig(lr=1e-2), 10)
+    state = init_train_state(params, tx)
+    step = make_train_step(graphdef, tx, LossConfig(4, kl_coef=0.1), state)
+    hlo = step.lower(state, rest, {k: jnp.asarray(v) for k, v in _batch(cfg).items()}).compile().as_text()
+    sqrts = len(re.findall(r" sqrt\(", hlo))
+    leaves = len(jax.tree.leaves(params))
+    assert leaves <= sqrts <= leaves + 2, (sqrts, leaves)

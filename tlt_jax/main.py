@@ -15,6 +15,7 @@ second signal exits at once (tlt_jax.distributed.preemption). Exit statuses: 0 d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -156,158 +157,44 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def run(cfg, workdir: str, stop=None) -> dict[str, float]:
-    """Train (resuming from ``workdir`` when it holds a checkpoint) and evaluate; returns the final metrics.
+_clock = time.monotonic  # the wall-clock checkpoint interval's clock (tests replace it)
 
-    ``stop`` (a tlt_jax.distributed.preemption.StopSignal; main() installs one for SIGTERM / SIGINT): once it is
-    requested, the step in flight finishes, its checkpoint is saved and :class:`Stopped` is raised."""
-    import jax
-    import numpy as np
 
-    from tlt_jax.checkpoint import (
-        Checkpointer,
-        CheckpointWriteError,
-        IncompatibleCheckpointError,
-        abstract_like,
-        save_in_flight_bytes,
-    )
-    from tlt_jax.config import ConfigError, to_json
-    from tlt_jax.controller.online import OnlineState
-    from tlt_jax.data import prompt_dataset
-    from tlt_jax.distributed import make_mesh
-    from tlt_jax.distributed.multihost import (
-        NullWriter,
-        ProcessShardedReward,
-        gather_global_batch,
-        is_primary,
-        reduce_metrics,
-    )
-    from tlt_jax.distributed.preemption import StopSignal, agree_max
-    from tlt_jax.metrics import ConsoleTable, MetricsWriter, Progress
-    from tlt_jax.metrics.plots import write_plots
-    from tlt_jax.metrics.records import append_lengths, drop_steps_after
-    from tlt_jax.metrics.writers import COLUMNS
-    from tlt_jax.plan import startup_check
-    from tlt_jax.rl.learner import GRPOLearner, check_micro_batch
+class _Job:
+    """What one run holds (built by :func:`_open_job`, closed by :func:`run`'s ExitStack) and its checkpoint
+    decisions: every ``checkpoint.every_steps`` steps, every ``checkpoint.every_minutes``, at a stop and at the end."""
 
-    t_start = time.perf_counter()
-    workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    config_json = to_json(cfg)
-    old_config = os.path.join(workdir, "config.json")
-    diff = []
-    if os.path.exists(old_config):
-        with open(old_config) as f:
-            diff = _config_diff(json.load(f), json.loads(config_json))
-        if diff:
-            log.warning("workdir %s was run with a different config: %s", workdir, "; ".join(diff))
+    def __init__(self, cfg, workdir: str, **parts):
+        self.cfg, self.workdir, self.diff = cfg, workdir, []
+        self.start, self.consecutive, self.saved = 0, 0, set()
+        self.t_start = self.last_save = 0.0
+        self.__dict__.update(parts)
 
-    mesh = make_mesh(cfg.mesh)
-    check_micro_batch(cfg, mesh)  # before the model loads: a micro-batch must split over the batch axes
-    plan = startup_check(cfg, mesh)  # train.plan_check ("auto": GPU / TPU); a run that does not fit: ConfigError
-    if plan is not None and jax.process_index() == 0:
-        print(plan.summary(), flush=True)
-    model, tokenizer = build_model(cfg, mesh)
-    data = build_data(cfg, tokenizer, model.config)
-    reward_fn = ProcessShardedReward(build_reward(cfg, tokenizer))  # each process scores the prompts it read
-    primary = is_primary()  # only process 0 prints and writes; all take part in checkpoints
-    engine = build_engine(cfg, model, mesh, data, workdir=workdir if primary else None)
-    online = OnlineState(engine, mesh, workdir, primary)
-    learner = GRPOLearner(cfg, model, engine, reward_fn, mesh=mesh)
-    del model
-    train_iter = iter(
-        prompt_dataset(
-            data.train,
-            cfg.data.prompts_per_step,
-            seed=cfg.data.shuffle_seed,
-            num_epochs=None,
-            shard_index=jax.process_index(),
-            shard_count=jax.process_count(),
-        )
-    )
-    stop = stop if stop is not None else StopSignal()  # not installed: never set (in-process runs, tests)
-    try:
-        ckpt = Checkpointer(
-            os.path.join(workdir, "checkpoints"),
-            every_steps=cfg.checkpoint.every_steps,
-            max_to_keep=cfg.checkpoint.max_to_keep,
-            async_save=cfg.checkpoint.async_save,
-            in_flight_bytes=save_in_flight_bytes(learner.state),  # the save beside the next rollout: bounded
-        )
-    except Exception:
-        online.close()
-        if hasattr(reward_fn, "close"):
-            reward_fn.close()
-        raise
-    try:
-        restored = ckpt.restore(
-            abstract_like(learner.state), data_iter=train_iter, abstract_extra=online.abstract_extra()
-        )
-    except Exception as e:
-        ckpt.close()
-        online.close()
-        if hasattr(reward_fn, "close"):
-            reward_fn.close()
-        if isinstance(e, IncompatibleCheckpointError):
-            changed = f" This config differs from {old_config} in: {'; '.join(diff)}." if diff else ""
-            raise ConfigError(f"{e}{changed}") from e
-        raise
-    start, consecutive = 0, 0
-    if restored is not None:
-        if not np.array_equal(restored.rng, learner.run_key):
-            log.warning(
-                "train.seed=%d is not the seed this run started with (the checkpoint's run key %s): the resumed run "
-                "keeps the checkpoint's key, so its steps are those of the uninterrupted run; to train with seed %d, "
-                "start it in a new --workdir",
-                cfg.train.seed,
-                restored.rng.tolist(),
-                cfg.train.seed,
-            )
-        learner.load_state(restored.train_state, run_key=restored.rng)
-        online.restore(restored.step, restored.extra)
-        start = restored.step
-        consecutive = int(restored.controller.get("consecutive_nonfinite", 0))
-        restore_engine_state(engine, restored.controller)
-        log.info("resumed from step %d in %s", start, ckpt.directory)
-
-    writer = MetricsWriter(workdir, tensorboard=cfg.metrics.tensorboard, resume_step=start) if primary else NullWriter()
-    writer.write_config(config_json)
-    if primary:
-        drop_steps_after(workdir, start)  # lengths / timeline rows of steps redone after a resume
-    drafter_cols = (("drafter", "drafter/steps", "{:>7.0f}"), ("draft s", "controller/train_s", "{:>7.2f}"),
-                    ("crit s", "drafter/critical_s", "{:>6.2f}"))
-    format_col = (("format", "reward/format", "{:>6.3f}"),) if cfg.reward.format_weight > 0 else ()
-    columns = COLUMNS[:3] + format_col + COLUMNS[3:] + (drafter_cols if cfg.drafter.online else ())
-    table = ConsoleTable(
-        speculative=cfg.rollout.speculative != "off", columns=columns, adaptive=cfg.rollout.speculative == "adaptive"
-    )
-    progress = Progress(cfg.train.num_steps, start, enabled=cfg.metrics.progress_bars and primary)
-    if not primary:
-        progress.write = lambda line: None
-    progress.write(
-        f"workdir {workdir} | {jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)} | "
-        f"policy {sum(x.size for x in jax.tree.leaves(learner.state.params)) / 1e6:.1f}M params | "
-        f"{len(data.train)} train / {len(data.eval)} eval prompts | steps {start + 1}..{cfg.train.num_steps}"
-    )
-    eval_kwargs = dict(max_new_tokens=eval_max_new_tokens(cfg), batch_size=cfg.eval.batch_size)
-
-    saved = {start} if restored is not None else set()
-
-    def save(step: int) -> None:
-        controller = {"step": step, "consecutive_nonfinite": consecutive, "time": time.time()}
+    def save(self, step: int) -> None:
+        """Checkpoint ``step``: the train state, run key, data iterator, controller (counters, the adaptive bandit)
+        and the online drafter's state."""
+        engine = self.engine
+        controller = {"step": step, "consecutive_nonfinite": self.consecutive, "time": time.time()}
         controller["engine"] = engine.state_dict() if hasattr(engine, "state_dict") else {}  # adaptive: the bandit
-        ckpt.save(
-            step, learner.state, rng=learner.run_key, data_iter=train_iter, controller=controller,
-            extra=online.extra(),
-        )
-        online.save(step, cfg.checkpoint.max_to_keep)
-        saved.add(step)
+        self.ckpt.save(step, self.learner.state, rng=self.learner.run_key, data_iter=self.train_iter,
+                       controller=controller, extra=self.online.extra())
+        self.online.save(step, self.cfg.checkpoint.max_to_keep)
+        self.saved.add(step)
+        self.last_save = _clock()
 
-    def check_stop(step: int) -> None:
-        """After ``step`` (``start``: before the first): one collective over the processes, for a stop request or a
-        failed checkpoint write on any of them; on a stop, save ``step`` (once) and raise Stopped."""
+    def check_stop(self, step: int) -> None:
+        """After ``step`` (``start``: before the first): one collective over the processes, for a stop request, a
+        failed checkpoint write or a due wall-clock checkpoint on any of them (so all decide alike); saves ``step``
+        when the interval is due, and on a stop saves it (once) and raises Stopped."""
+        import jax
+
+        from tlt_jax.checkpoint import CheckpointWriteError
+        from tlt_jax.distributed.preemption import agree_max
+
+        ckpt, minutes = self.ckpt, self.cfg.checkpoint.every_minutes
         error = ckpt.poll()
-        signum, failed = agree_max(stop.signum, jax.process_index() + 1 if error is not None else 0)
+        due = int(minutes > 0 and _clock() - self.last_save >= 60.0 * minutes)
+        signum, failed, due = agree_max(self.stop.signum, jax.process_index() + 1 if error is not None else 0, due)
         if failed:
             if error is not None:
                 raise error
@@ -315,80 +202,231 @@ def run(cfg, workdir: str, stop=None) -> dict[str, float]:
                 f"process {failed - 1} could not write a checkpoint to {ckpt.directory} (its log line says why); the "
                 "checkpoints saved before are intact. Fix it and resume with the same --workdir."
             )
+        if (due or signum) and step > self.start and step not in self.saved:
+            self.save(step)
         if signum:
-            if step > start and step not in saved:
-                save(step)
             ckpt.wait()
-            raise Stopped(signum, step, ckpt.directory, saved=step in saved)
+            raise Stopped(signum, step, ckpt.directory, saved=step in self.saved)
 
-    def settle() -> None:
+    def settle(self) -> None:
         """Before an update: the pending checkpoint save ends, and the host memory it wrote from goes back to the OS
         (left to the end of the step it would sit under the update's own, the run's peak: issue 42)."""
-        ckpt.settle()
+        self.ckpt.settle()
         _trim_host_heap()
 
-    final: dict[str, float] = {}
+
+def run(cfg, workdir: str, stop=None) -> dict[str, float]:
+    """Train (resuming from ``workdir`` when it holds a checkpoint) and evaluate; returns the final metrics.
+
+    ``stop`` (a tlt_jax.distributed.preemption.StopSignal; main() installs one for SIGTERM / SIGINT): once it is
+    requested, the step in flight finishes, its checkpoint is saved and :class:`Stopped` is raised. Whatever the
+    run opened (reward workers, drafter threads, checkpointer, metrics writers) is closed in one place, however it
+    ends."""
+    from tlt_jax.distributed.preemption import StopSignal
+
+    t_start = time.perf_counter()
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    with contextlib.ExitStack() as resources:
+        job = _open_job(cfg, workdir, resources)
+        job.t_start, job.stop = t_start, stop if stop is not None else StopSignal()  # not installed: never set
+        _resume(job)
+        _open_outputs(job, resources)
+        _train(job)
+        return _finish(job)
+
+
+def _open_job(cfg, workdir: str, resources: contextlib.ExitStack) -> _Job:
+    """Mesh, start-up plan, policy, data, reward, engine, online drafter state, learner, prompt iterator and
+    checkpointer; each one that holds threads or processes is registered with ``resources`` to be closed."""
+    import jax
+
+    from tlt_jax.checkpoint import Checkpointer, save_in_flight_bytes
+    from tlt_jax.config import to_json
+    from tlt_jax.controller.online import OnlineState
+    from tlt_jax.data import prompt_dataset
+    from tlt_jax.distributed import make_mesh
+    from tlt_jax.distributed.multihost import ProcessShardedReward, is_primary
+    from tlt_jax.plan import startup_check
+    from tlt_jax.rl.learner import GRPOLearner, check_micro_batch
+
+    job = _Job(cfg, workdir, config_json=to_json(cfg), old_config=os.path.join(workdir, "config.json"))
+    if os.path.exists(job.old_config):
+        with open(job.old_config) as f:
+            job.diff = _config_diff(json.load(f), json.loads(job.config_json))
+        if job.diff:
+            log.warning("workdir %s was run with a different config: %s", workdir, "; ".join(job.diff))
+    job.mesh = mesh = make_mesh(cfg.mesh)
+    check_micro_batch(cfg, mesh)  # before the model loads: a micro-batch must split over the batch axes
+    plan = startup_check(cfg, mesh)  # train.plan_check ("auto": GPU / TPU); a run that does not fit: ConfigError
+    if plan is not None and jax.process_index() == 0:
+        print(plan.summary(), flush=True)
+    model, tokenizer = build_model(cfg, mesh)
+    job.data = build_data(cfg, tokenizer, model.config)
+    reward_fn = ProcessShardedReward(build_reward(cfg, tokenizer))  # each process scores the prompts it read
+    if hasattr(reward_fn, "close"):
+        resources.callback(reward_fn.close)
+    job.primary = is_primary()  # only process 0 prints and writes; all take part in checkpoints
+    job.engine = build_engine(cfg, model, mesh, job.data, workdir=workdir if job.primary else None)
+    job.online = resources.enter_context(contextlib.closing(OnlineState(job.engine, mesh, workdir, job.primary)))
+    job.learner = GRPOLearner(cfg, model, job.engine, reward_fn, mesh=mesh)
+    del model
+    job.train_iter = iter(prompt_dataset(job.data.train, cfg.data.prompts_per_step, seed=cfg.data.shuffle_seed,
+                                         num_epochs=None, shard_index=jax.process_index(),
+                                         shard_count=jax.process_count()))
+    job.ckpt = resources.enter_context(contextlib.closing(Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        every_steps=cfg.checkpoint.every_steps,
+        max_to_keep=cfg.checkpoint.max_to_keep,
+        async_save=cfg.checkpoint.async_save,
+        in_flight_bytes=save_in_flight_bytes(job.learner.state),  # the save beside the next rollout: bounded
+    )))
+    return job
+
+
+def _resume(job: _Job) -> None:
+    """Restore the newest readable checkpoint (if any) into the learner, online state and engine; a checkpoint of
+    another model or layout is a ConfigError naming how this config differs from the workdir's."""
+    import numpy as np
+
+    from tlt_jax.checkpoint import IncompatibleCheckpointError, abstract_like
+    from tlt_jax.config import ConfigError
+
+    learner, cfg = job.learner, job.cfg
     try:
-        if cfg.eval.at_start and start == 0:
-            m = learner.evaluate(data.eval, **eval_kwargs)
-            writer.write(0, m, kind="eval")
-            progress.write(f"eval at step 0: accuracy {m['eval/accuracy']:.3f} on {len(data.eval)} held-out prompts")
-        check_stop(start)
-        for step in range(start + 1, cfg.train.num_steps + 1):
-            examples = gather_global_batch(next(train_iter))  # this process's shard -> the global batch
-            online.begin(step)
-            # The previous step's checkpoint save ends before this step's update donates the state it reads.
-            metrics = {**learner.step(step, examples, progress, before_update=settle), **online.metrics(),
-                       **data.info}
-            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.num_steps:
-                metrics.update(learner.evaluate(data.eval, **eval_kwargs))
-            metrics["time/elapsed_s"] = time.perf_counter() - t_start
-            metrics = reduce_metrics(metrics)
-            writer.write(step, metrics)
-            if primary:
-                append_lengths(workdir, step, learner.last_lengths)
-                write_plots(workdir)
-            progress.end_step()
-            _trim_host_heap()
-            table.print(dict(metrics, step=step), write=progress.write)
-            if "eval/accuracy" in metrics:
-                progress.write(f"eval at step {step}: accuracy {metrics['eval/accuracy']:.3f} on {len(data.eval)} "
-                               "held-out prompts")
-            consecutive = consecutive + 1 if metrics["train/nonfinite_step"] else 0
-            if consecutive >= cfg.train.max_nonfinite_steps:
-                ckpt.wait()
-                last = ckpt.latest_step()
-                raise NonFiniteError(
-                    f"stopping at step {step}: {consecutive} consecutive steps had a non-finite loss or gradient "
-                    f"(their updates were skipped; {int(learner.state.skipped)} skipped in total). Checkpoints are "
-                    f"intact; the latest is step {last} in {ckpt.directory}. Lower optim.lr or check the data, then "
-                    f"resume with the same --workdir."
-                )
-            if ckpt.should_save(step) or step == cfg.train.num_steps:
-                save(step)
-            check_stop(step)
-        settle()  # the last save's host copies are gone before the final evaluation's rollout
-        final = learner.evaluate(data.eval, **eval_kwargs)
-        exported = online.export()
-        if exported:
-            progress.write(f"adapted drafter (EAGLE layout): {exported}")
-        final["time/total_s"] = time.perf_counter() - t_start
-        final.update(reduce_metrics({"memory/peak_rss_gib": _peak_rss_gib()}))  # the largest over the processes
-        writer.write(cfg.train.num_steps, final, kind="final")
-        if primary:
-            write_plots(workdir)  # the final evaluation joins the held-out accuracy curve
-        progress.write(
-            f"final evaluation accuracy: {final['eval/accuracy']:.4f} on {len(data.eval)} held-out prompts "
-            f"(greedy; total {final['time/total_s']:.0f} s; peak resident memory "
-            f"{final['memory/peak_rss_gib']:.2f} GiB); plots in {os.path.join(workdir, 'plots')}"
-        )
-    finally:
-        progress.close()
-        ckpt.close()
-        online.close()
-        writer.close()
-        if hasattr(reward_fn, "close"):
-            reward_fn.close()
+        restored = job.ckpt.restore(abstract_like(learner.state), data_iter=job.train_iter,
+                                    abstract_extra=job.online.abstract_extra())
+    except IncompatibleCheckpointError as e:
+        changed = f" This config differs from {job.old_config} in: {'; '.join(job.diff)}." if job.diff else ""
+        raise ConfigError(f"{e}{changed}") from e
+    job.last_save = _clock()
+    if restored is None:
+        return
+    if not np.array_equal(restored.rng, learner.run_key):
+        log.warning(
+            "train.seed=%d is not the seed this run started with (the checkpoint's run key %s): the resumed run "
+            "keeps the checkpoint's key, so its steps are those of the uninterrupted run; to train with seed %d, "
+            "start it in a new --workdir", cfg.train.seed, restored.rng.tolist(), cfg.train.seed)
+    learner.load_state(restored.train_state, run_key=restored.rng)
+    job.online.restore(restored.step, restored.extra)
+    job.start = restored.step
+    job.consecutive = int(restored.controller.get("consecutive_nonfinite", 0))
+    job.saved = {job.start}
+    restore_engine_state(job.engine, restored.controller)
+    log.info("resumed from step %d in %s", job.start, job.ckpt.directory)
+
+
+def _open_outputs(job: _Job, resources: contextlib.ExitStack) -> None:
+    """The metrics writer (process 0's; the others' write nothing), the console table and the progress bars."""
+    import jax
+
+    from tlt_jax.distributed.multihost import NullWriter
+    from tlt_jax.metrics import ConsoleTable, MetricsWriter, Progress
+    from tlt_jax.metrics.records import drop_steps_after
+    from tlt_jax.metrics.writers import COLUMNS
+
+    cfg, workdir, start = job.cfg, job.workdir, job.start
+    writer = MetricsWriter(workdir, tensorboard=cfg.metrics.tensorboard, resume_step=start) if job.primary else None
+    job.writer = resources.enter_context(contextlib.closing(writer or NullWriter()))
+    job.writer.write_config(job.config_json)
+    if job.primary:
+        drop_steps_after(workdir, start)  # lengths / timeline rows of steps redone after a resume
+    drafter_cols = (("drafter", "drafter/steps", "{:>7.0f}"), ("draft s", "controller/train_s", "{:>7.2f}"),
+                    ("crit s", "drafter/critical_s", "{:>6.2f}"))
+    format_col = (("format", "reward/format", "{:>6.3f}"),) if cfg.reward.format_weight > 0 else ()
+    columns = COLUMNS[:3] + format_col + COLUMNS[3:] + (drafter_cols if cfg.drafter.online else ())
+    job.table = ConsoleTable(
+        speculative=cfg.rollout.speculative != "off", columns=columns, adaptive=cfg.rollout.speculative == "adaptive"
+    )
+    progress = Progress(cfg.train.num_steps, start, enabled=cfg.metrics.progress_bars and job.primary)
+    job.progress = resources.enter_context(contextlib.closing(progress))
+    if not job.primary:
+        progress.write = lambda line: None
+    data, params = job.data, job.learner.state.params
+    progress.write(
+        f"workdir {workdir} | {jax.device_count()} {jax.devices()[0].platform} devices, mesh {dict(job.mesh.shape)} | "
+        f"policy {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M params | "
+        f"{len(data.train)} train / {len(data.eval)} eval prompts | steps {start + 1}..{cfg.train.num_steps}"
+    )
+    job.eval_kwargs = dict(max_new_tokens=eval_max_new_tokens(cfg), batch_size=cfg.eval.batch_size)
+
+
+def _train(job: _Job) -> None:
+    """The RL steps from the one after ``job.start`` to ``train.num_steps`` (an evaluation first on a fresh run),
+    each checkpointed when due; stops on too many non-finite steps in a row or a stop request."""
+    cfg, ckpt, learner = job.cfg, job.ckpt, job.learner
+    if cfg.eval.at_start and job.start == 0:
+        m = learner.evaluate(job.data.eval, **job.eval_kwargs)
+        job.writer.write(0, m, kind="eval")
+        job.progress.write(f"eval at step 0: accuracy {m['eval/accuracy']:.3f} on {len(job.data.eval)} held-out "
+                           "prompts")
+    job.check_stop(job.start)
+    for step in range(job.start + 1, cfg.train.num_steps + 1):
+        metrics = _step(job, step)
+        job.consecutive = job.consecutive + 1 if metrics["train/nonfinite_step"] else 0
+        if job.consecutive >= cfg.train.max_nonfinite_steps:
+            ckpt.wait()
+            last = ckpt.latest_step()
+            raise NonFiniteError(
+                f"stopping at step {step}: {job.consecutive} consecutive steps had a non-finite loss or gradient "
+                f"(their updates were skipped; {int(learner.state.skipped)} skipped in total). Checkpoints are "
+                f"intact; the latest is step {last} in {ckpt.directory}. Lower optim.lr or check the data, then "
+                f"resume with the same --workdir."
+            )
+        if ckpt.should_save(step) or step == cfg.train.num_steps:
+            job.save(step)
+        job.check_stop(step)
+
+
+def _step(job: _Job, step: int) -> dict[str, float]:
+    """One RL step on the next global batch: rollout, update, an evaluation when due; its metrics (reduced over the
+    processes) written, plotted and printed."""
+    from tlt_jax.distributed.multihost import gather_global_batch, reduce_metrics
+    from tlt_jax.metrics.plots import write_plots
+    from tlt_jax.metrics.records import append_lengths
+
+    cfg, progress, n_eval = job.cfg, job.progress, len(job.data.eval)
+    examples = gather_global_batch(next(job.train_iter))  # this process's shard -> the global batch
+    job.online.begin(step)
+    # The previous step's checkpoint save ends before this step's update donates the state it reads.
+    metrics = {**job.learner.step(step, examples, progress, before_update=job.settle), **job.online.metrics(),
+               **job.data.info}
+    if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.num_steps:
+        metrics.update(job.learner.evaluate(job.data.eval, **job.eval_kwargs))
+    metrics["time/elapsed_s"] = time.perf_counter() - job.t_start
+    metrics = reduce_metrics(metrics)
+    job.writer.write(step, metrics)
+    if job.primary:
+        append_lengths(job.workdir, step, job.learner.last_lengths)
+        write_plots(job.workdir)
+    progress.end_step()
+    _trim_host_heap()
+    job.table.print(dict(metrics, step=step), write=progress.write)
+    if "eval/accuracy" in metrics:
+        progress.write(f"eval at step {step}: accuracy {metrics['eval/accuracy']:.3f} on {n_eval} held-out prompts")
+    return metrics
+
+
+def _finish(job: _Job) -> dict[str, float]:
+    """The final greedy evaluation, the adapted drafter's export, the final row (peak memory over the processes)."""
+    from tlt_jax.distributed.multihost import reduce_metrics
+    from tlt_jax.metrics.plots import write_plots
+
+    job.settle()  # the last save's host copies are gone before the final evaluation's rollout
+    final = job.learner.evaluate(job.data.eval, **job.eval_kwargs)
+    exported = job.online.export()
+    if exported:
+        job.progress.write(f"adapted drafter (EAGLE layout): {exported}")
+    final["time/total_s"] = time.perf_counter() - job.t_start
+    final.update(reduce_metrics({"memory/peak_rss_gib": _peak_rss_gib()}))  # the largest over the processes
+    job.writer.write(job.cfg.train.num_steps, final, kind="final")
+    if job.primary:
+        write_plots(job.workdir)  # the final evaluation joins the held-out accuracy curve
+    job.progress.write(
+        f"final evaluation accuracy: {final['eval/accuracy']:.4f} on {len(job.data.eval)} held-out prompts "
+        f"(greedy; total {final['time/total_s']:.0f} s; peak resident memory "
+        f"{final['memory/peak_rss_gib']:.2f} GiB); plots in {os.path.join(job.workdir, 'plots')}"
+    )
     return final
 
 

@@ -16,6 +16,7 @@ DrafterOptimConfig, DrafterTrainState, make_drafter_train_step) are all imported
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +45,16 @@ from tlt_jax.drafter.train import (
     make_drafter_train_step,
     pack_sequences,
 )
+
+log = logging.getLogger("tlt_jax")
+
+
+@jax.jit
+def _checksum(params) -> jax.Array:
+    """A float32 fingerprint of a parameter tree: each leaf's elements weighted by their position (mod 7) + 1."""
+    leaves = [x.astype(jnp.float32).ravel() for x in jax.tree.leaves(params)]
+    return sum(jnp.sum(x * (1 + jnp.arange(x.size) % 7)) for x in leaves)
+
 
 LOGGED = ("drafter/loss", "drafter/top1")  # drafter-step metrics averaged over the RL step's drafter steps
 HELDOUT = "drafter/heldout_top1"  # the current drafter's top-1 on this step's responses (``evaluate``)
@@ -214,7 +225,20 @@ class SpotTrainer:
                 out.update({k: sum(v[i] for v in sums.values()) / n for i, k in enumerate(LOGGED)})
                 out["drafter/step_s"] = sum(v[len(LOGGED)] for v in sums.values()) / n  # wall, on its slice's thread
             pending["metrics"] = out
+            if self.across_processes:
+                self._log_checksums(total)
         return dict(pending["metrics"])
+
+    def _log_checksums(self, total: float) -> None:
+        """One log line per local slice: a checksum of its copy of the averaged drafter, the same on every process
+        when the average reached them all (tests/test_multihost.py compares the processes' lines). Slices that span
+        processes are left out (their checksum would be a collective)."""
+        me = jax.process_index()
+        for s in self.slices:
+            if any(d.process_index != me for d in self.meshes[s].devices.flat):
+                continue
+            value = float(jax.device_get(_checksum(self._placed[s].params)))
+            log.info("drafter average after %d steps: process %d slice %d checksum %r", int(total), me, s, value)
 
     def train_steps(self, s: int, batches: Callable[[int], DrafterBatch], n: int) -> list[dict[str, float]]:
         """``n`` steps on slice ``s`` with ``batches(k)`` as the k-th batch (single slice, no idle time: run after

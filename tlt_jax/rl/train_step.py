@@ -182,6 +182,22 @@ def _micro_loss(params, rest, graphdef, cfg: LossConfig, micro: dict, weight: ja
     return loss * weight, m
 
 
+def _update_if_finite(tx, params, opt_state, grads, loss, grad_norm):
+    """(parameters, optimizer state, finite): the optimizer's update, computed once, applied only when the loss, the
+    gradient norm and every updated parameter are finite; otherwise the old parameters and optimizer state.
+
+    The new trees exist beside the old ones until the check is known (a cond between them: XLA may write neither into
+    the donated buffers before then), which costs temporaries of up to the moments' size; a first pass that only
+    reduced the update (no temporaries) computed the whole update twice."""
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite &= jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_params)]))
+    new_params, new_opt = jax.lax.cond(finite, lambda new, _: new, lambda _, old: old,
+                                       (new_params, new_opt), (params, opt_state))
+    return new_params, new_opt, finite
+
+
 def train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
@@ -236,17 +252,7 @@ def train_step(
 
     grad_norm = optax.tree.norm(grads)
 
-    def apply(params, opt_state, grads):
-        updates, new_opt = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), new_opt
-
-    # Whether the updated parameters are finite, from a first pass that only reduces them; then the update is
-    # applied (or not) under a cond, elementwise into the donated buffers. Selecting between new and old trees would
-    # hold every new parameter and moment beside the old ones until the check is known (three parameter-sized trees).
-    checked, _ = apply(state.params, state.opt_state, grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    finite &= jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(checked)]))
-    new_params, new_opt = jax.lax.cond(finite, apply, lambda p, o, _: (p, o), state.params, state.opt_state, grads)
+    new_params, new_opt, finite = _update_if_finite(tx, state.params, state.opt_state, grads, loss, grad_norm)
     new_state = TrainState(
         params=new_params,
         opt_state=new_opt,
