@@ -268,9 +268,14 @@ def fresh_eagle_drafter(cfg, model_config):
 
 def restore_engine_state(engine, controller: dict) -> None:
     """Adaptive rollouts resume with the checkpoint's bandit (its measurements and exploration generator); a bandit
-    over other arms (or other slices) is a ConfigError (they must match to resume)."""
+    over other arms (or other slices) is a ConfigError (they must match to resume). The n-gram history
+    (``rollout.ngram_history_bytes``) resumes with the checkpoint's store."""
     from tlt_jax.config import ConfigError
 
+    try:
+        engine.load_history_state(controller.get("ngram_history"))
+    except ValueError as e:
+        raise ConfigError(f"config.rollout.num_slices: {e}") from e
     saved = controller.get("engine") or {}
     if getattr(engine, "bandit", None) is None or not saved:
         if getattr(engine, "bandit", None) is not None:

@@ -176,6 +176,7 @@ class _Job:
         engine = self.engine
         controller = {"step": step, "consecutive_nonfinite": self.consecutive, "time": time.time()}
         controller["engine"] = engine.state_dict() if hasattr(engine, "state_dict") else {}  # adaptive: the bandit
+        controller["ngram_history"] = engine.history_state()  # rollout.ngram_history_bytes: the n-gram store
         self.ckpt.save(step, self.learner.state, rng=self.learner.run_key, data_iter=self.train_iter,
                        controller=controller, extra=self.online.extra())
         self.online.save(step, self.cfg.checkpoint.max_to_keep)

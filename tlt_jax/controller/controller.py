@@ -27,7 +27,7 @@ import jax
 
 from tlt_jax.controller.scheduler import BUSY, ControllerConfig, SliceScheduler
 from tlt_jax.controller.slices import SlicedRollout, merge_results, progress_hooks
-from tlt_jax.distributed.board import Board
+from tlt_jax.distributed.board import Board, BoardError
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.rollout import RolloutResult, SamplingParams
@@ -99,109 +99,34 @@ class Controller:
             self.buffer.start_step(step)
         if training:
             self.trainer.begin_step(step)
-        sched, call = self.scheduler, self.calls
-        self.calls += 1
-        events: queue.Queue = queue.Queue()
-        t0, t0_unix = time.perf_counter(), time.time()
-        now = lambda: time.perf_counter() - t0
-        with_work = {j.slice for j in jobs}
-        sched.start(0.0, [s in with_work for s in range(self.rollout.num_slices)])
-        job_of = {j.slice: j for j in mine}
-        remote = {j.slice for j in jobs} - set(job_of)  # other processes' slices still decoding (as far as known)
-        results: dict[int, RolloutResult] = {}
-        local = [0] * self.rollout.num_slices
-        inflight: set[concurrent.futures.Future] = set()
-        swaps, evaluated = 0, False
-
-        def submit(kind: str, s: int, fn, *args) -> None:
-            fut = self.rollout.workers[s].submit(fn, *args)
-            inflight.add(fut)
-            fut.add_done_callback(lambda f: events.put((kind, s, f)))
-
-        def dispatch(slices: list[int]) -> None:
-            for s in slices:
-                submit("train", s, self.trainer.train_step, s, self._batch(step, s, local[s]))
-                local[s] += 1
-
-        def preempt() -> None:
-            """The rollout is over everywhere (so all that is left in flight is drafter work): what still waits for its
-            slice's thread (a scoring queued behind a drafter step, or a step behind a scoring) is not started, so at
-            most the work in flight ends."""
-            if not sched.busy():
-                for fut in list(inflight):
-                    fut.cancel()
-
-        stop_watching = threading.Event()
-
-        def watch(s: int) -> None:
-            """Another process's slice ``s``: an event as soon as its end is posted on the board."""
-            if self.board.wait(f"{call}/{s}", stop_watching):
-                events.put(("remote", s, None))
-
-        for s in sorted(remote):
-            threading.Thread(target=watch, args=(s,), name=f"board-slice{s}", daemon=True).start()
-
+        call, self.calls = self.calls, self.calls + 1
+        run = _StepRun(self, step, call, jobs, mine, training)
+        run.watch_remote()
         # Released once every slice anywhere has finished its share and the drafter's average is done: their tracing
         # holds the GIL and the host's cores, which drafter steps, the notices of other processes' ends and the average
         # need.
         held = self.rollout.hold_compiles()
         for j in mine:
-            submit("rollout", j.slice, self.rollout.run_job, j, hooks[j.slice])
-        dispatch(sched.poll(0.0, training and self.buffer.ready()))  # slices with no prompt, previous-step data
-        error: BaseException | None = None
-        while inflight or remote:
-            kind, s, fut = events.get()
-            t = now()
-            if kind == "remote":  # another process's slice finished: idle now (its drafter steps are its own)
-                if error is None and s in remote:
-                    remote.discard(s)
-                    starts = sched.rollout_done(s, t, can_train=training and self.buffer.ready())
-                    preempt()
-                    dispatch(starts)
-                continue
-            inflight.discard(fut)
-            if fut.cancelled():  # preempted drafter work (``preempt``)
-                if kind == "train" and error is None and sched.train_step_dropped(s, t):
-                    dispatch([s])
-                continue
-            if fut.exception() is not None:
-                error = error or fut.exception()
-            if error is not None:
-                remote.clear()  # stop waiting for the others: this process raises (its peers fail in the exchange)
-                continue  # let in-flight work finish, dispatch nothing new, then raise
-            if kind == "rollout":
-                results[s] = fut.result()
-                if self.board is not None:  # first: other processes' slices stop training on this notice
-                    self.board.post(f"{call}/{s}")
-                if self.buffer is not None:
-                    self.buffer.add_result(job_of[s].prompts, results[s])
-                decoding = len(sched.busy())  # slice s included
-                heldout = None if evaluated else self._heldout_batch(step, decoding == len(with_work), decoding == 1)
-                ready = training and self.buffer.ready()
-                starts = sched.rollout_done(s, t, can_train=ready)
-                preempt()  # before the steps_without_idle steps the rollout's end may start
-                dispatch(starts)
-                if heldout is not None:  # on this slice's thread, after its first drafter step (training first)
-                    submit("heldout", s, self.trainer.evaluate, s, heldout)
-                    evaluated = True
-            elif kind == "train":
-                busy = [b for b in sched.busy() if b in self.rollout.engines] if self.cfg.hot_swap else []
-                if busy:  # engines read their drafter at every chunk: the swap lands at the next chunk boundary
-                    drafter = self.trainer.replica_drafter(s)
-                    for b in busy:
-                        self.rollout.engines[b].set_drafter(drafter)
-                    swaps += len(busy)
-                if sched.train_step_done(s, t):
-                    dispatch([s])
-        stop_watching.set()
-        if error is not None:
+            run.submit("rollout", j.slice, self.rollout.run_job, j, hooks[j.slice])
+        run.dispatch(run.sched.poll(0.0, training and self.buffer.ready()))  # slices with no prompt, previous-step data
+        run.loop()
+        run.stop_watching.set()
+        if run.error is not None:
             self.rollout.release(held)
             if training:
                 self.trainer.replicas.clear()
-            raise error
+            raise run.error
+        results, metrics = self._finish_step(run, held)
+        result = merge_results(len(prompts), jobs, [results[j.slice] for j in jobs])
+        return result, metrics
+
+    def _finish_step(self, run: _StepRun, held) -> tuple[dict[int, RolloutResult], dict[str, float]]:
+        """After the loop: the step's metrics and timeline, merged over processes, the drafter replicas' average, then
+        the compiles' release; returns (every slice's result, metrics)."""
+        sched, now, training = run.sched, run.now, run.training
         metrics = sched.finish(now())  # the drafter work in flight at the rollout's end has ended
         if self.cfg.hot_swap:
-            metrics["controller/hot_swaps"] = float(swaps)
+            metrics["controller/hot_swaps"] = float(run.swaps)
         timeline = [dict(iv, process=jax.process_index()) for iv in sched.timeline]
         if self.buffer is not None:  # each process's own buffer (summed over processes below)
             metrics.update(self.buffer.stats())
@@ -209,7 +134,8 @@ class Controller:
             metrics["drafter/dropped"] = float(self.buffer.dropped)
         try:  # (the compiles go even if the exchange or the average fails: a pool left held would never compile)
             # The rollout's results and the controller's metrics and timeline from every process: one exchange.
-            results, parts = self.rollout.exchange(results, dict(metrics=metrics, timeline=timeline, t0=t0_unix))
+            results, parts = self.rollout.exchange(run.results,
+                                                   dict(metrics=metrics, timeline=timeline, t0=run.t0_unix))
             if self.rollout.across_processes:
                 metrics, timeline = merge_processes(metrics, parts)
             averaging = now()
@@ -221,15 +147,15 @@ class Controller:
         released = now()
         # When this process let its deferred compiles go, after the last shard anywhere ended (on the first process's
         # clock, as the merged rollout_s; >= 0: none compiled while a slice anywhere still decoded).
-        metrics["controller/compile_release_s"] = released + t0_unix - parts[0]["t0"] - metrics["controller/rollout_s"]
+        metrics["controller/compile_release_s"] = (released + run.t0_unix - parts[0]["t0"]
+                                                   - metrics["controller/rollout_s"])
         # Drafter work after the last shard anywhere ended: the work in flight on any process (the merged
         # ``controller/overhang_s``: the latest end of a process's loop after the last shard, so a step still running on
         # a process whose own slices ended early counts too), then the average (not the exchange, which is the
         # rollout's). ControlledRollout adds publishing.
         self.drafter_critical_s = metrics["controller/overhang_s"] + released - averaging
-        self._write_timeline(step, t0_unix, timeline)
-        result = merge_results(len(prompts), jobs, [results[j.slice] for j in jobs])
-        return result, metrics
+        self._write_timeline(run.step, run.t0_unix, timeline)
+        return results, metrics
 
     def _write_timeline(self, step: int, t0_unix: float, timeline: list[dict[str, Any]]) -> None:
         """One line per interval: step, slice, state, start / end (seconds since the step began), step_start
@@ -240,6 +166,129 @@ class Controller:
         with open(os.path.join(self.workdir, TIMELINE_FILE), "a") as f:
             for iv in timeline:
                 f.write(json.dumps(dict(step=int(step), **iv, step_start=t0_unix)) + "\n")
+
+
+class _StepRun:
+    """One ``run_step``'s loop state: the work in flight on the slices' threads, the events that report its ends (the
+    only thread that reacts to them is the caller's), other processes' slices still decoding, and the results."""
+
+    def __init__(self, ctl: Controller, step: int, call: int, jobs: list, mine: list, training: bool):
+        self.ctl, self.step, self.call, self.training = ctl, step, call, training
+        self.sched = sched = ctl.scheduler
+        self.events: queue.Queue = queue.Queue()
+        self.t0, self.t0_unix = time.perf_counter(), time.time()
+        self.with_work = {j.slice for j in jobs}
+        sched.start(0.0, [s in self.with_work for s in range(ctl.rollout.num_slices)])
+        self.job_of = {j.slice: j for j in mine}
+        # other processes' slices still decoding (as far as known)
+        self.remote = {j.slice for j in jobs} - set(self.job_of)
+        self.results: dict[int, RolloutResult] = {}
+        self.local = [0] * ctl.rollout.num_slices
+        self.inflight: set[concurrent.futures.Future] = set()
+        self.swaps, self.evaluated = 0, False
+        self.error: BaseException | None = None
+        self.stop_watching = threading.Event()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def submit(self, kind: str, s: int, fn, *args) -> None:
+        fut = self.ctl.rollout.workers[s].submit(fn, *args)
+        self.inflight.add(fut)
+        fut.add_done_callback(lambda f: self.events.put((kind, s, f)))
+
+    def dispatch(self, slices: list[int]) -> None:
+        for s in slices:
+            self.submit("train", s, self.ctl.trainer.train_step, s, self.ctl._batch(self.step, s, self.local[s]))
+            self.local[s] += 1
+
+    def preempt(self) -> None:
+        """The rollout is over everywhere (so all that is left in flight is drafter work): what still waits for its
+        slice's thread (a scoring queued behind a drafter step, or a step behind a scoring) is not started, so at
+        most the work in flight ends."""
+        if not self.sched.busy():
+            for fut in list(self.inflight):
+                fut.cancel()
+
+    def watch_remote(self) -> None:
+        """A watcher thread for each other process's slice (``watch``)."""
+        for s in sorted(self.remote):
+            threading.Thread(target=self.watch, args=(s,), name=f"board-slice{s}", daemon=True).start()
+
+    def watch(self, s: int) -> None:
+        """Another process's slice ``s``: an event as soon as its end is posted on the board, or a failed one (as
+        a failed future's) once another process posted its failure or the board's timeout passed."""
+        try:
+            if self.ctl.board.wait(f"{self.call}/{s}", self.stop_watching):
+                self.events.put(("remote", s, None))
+        except BoardError as e:
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            failed.set_exception(e)
+            self.events.put(("peer", s, failed))
+
+    def loop(self) -> None:
+        """React to completions until nothing is in flight and no other process's slice decodes; the first failure
+        goes to ``error`` (work in flight still ends, nothing new starts)."""
+        sched, board = self.sched, self.ctl.board
+        while self.inflight or self.remote:
+            kind, s, fut = self.events.get()
+            t = self.now()
+            if kind == "remote":  # another process's slice finished: idle now (its drafter steps are its own)
+                if self.error is None and s in self.remote:
+                    self.remote.discard(s)
+                    starts = sched.rollout_done(s, t, can_train=self.training and self.ctl.buffer.ready())
+                    self.preempt()
+                    self.dispatch(starts)
+                continue
+            self.inflight.discard(fut)
+            if fut.cancelled():  # preempted drafter work (``preempt``)
+                if kind == "train" and self.error is None and sched.train_step_dropped(s, t):
+                    self.dispatch([s])
+                continue
+            if fut.exception() is not None and self.error is None:
+                self.error = fut.exception()
+                if board is not None:  # the other processes' watchers raise it within a second
+                    board.post_failure(f"slice {s}'s {kind}: {self.error!r}")
+            if self.error is not None:
+                # stop waiting for the others: this process raises, and its peers' waits for its slices raise
+                # PeerFailedError at the notice just posted (or BoardTimeoutError, or the heartbeat if it died)
+                self.remote.clear()
+                continue  # let in-flight work finish, dispatch nothing new, then raise
+            if kind == "rollout":
+                self.rollout_done(s, t, fut.result())
+            elif kind == "train":
+                self.train_done(s, t)
+
+    def rollout_done(self, s: int, t: float, result: RolloutResult) -> None:
+        """Slice ``s`` finished its share: its samples go into the buffer, then its (and idle slices') drafter work."""
+        ctl, sched = self.ctl, self.sched
+        self.results[s] = result
+        if ctl.board is not None:  # first: other processes' slices stop training on this notice
+            ctl.board.post(f"{self.call}/{s}")
+        if ctl.buffer is not None:
+            ctl.buffer.add_result(self.job_of[s].prompts, self.results[s])
+        decoding = len(sched.busy())  # slice s included
+        heldout = (None if self.evaluated
+                   else ctl._heldout_batch(self.step, decoding == len(self.with_work), decoding == 1))
+        ready = self.training and ctl.buffer.ready()
+        starts = sched.rollout_done(s, t, can_train=ready)
+        self.preempt()  # before the steps_without_idle steps the rollout's end may start
+        self.dispatch(starts)
+        if heldout is not None:  # on this slice's thread, after its first drafter step (training first)
+            self.submit("heldout", s, ctl.trainer.evaluate, s, heldout)
+            self.evaluated = True
+
+    def train_done(self, s: int, t: float) -> None:
+        """A drafter step on slice ``s`` ended: hot-swap its replica into the busy slices, then maybe another step."""
+        ctl = self.ctl
+        busy = [b for b in self.sched.busy() if b in ctl.rollout.engines] if ctl.cfg.hot_swap else []
+        if busy:  # engines read their drafter at every chunk: the swap lands at the next chunk boundary
+            drafter = ctl.trainer.replica_drafter(s)
+            for b in busy:
+                ctl.rollout.engines[b].set_drafter(drafter)
+            self.swaps += len(busy)
+        if self.sched.train_step_done(s, t):
+            self.dispatch([s])
 
 
 def merge_processes(metrics: dict[str, float], parts: list[dict]) -> tuple[dict[str, float], list[dict]]:

@@ -66,6 +66,28 @@ class ControlledRollout:
             mine = {s: st for part in allgather_objects(mine) for s, st in part.items()}
         return {"slices": [mine[str(s)] for s in range(self.rollout.num_slices)]}
 
+    def history_state(self) -> dict | None:
+        """Every slice engine's n-gram history (``RolloutEngine.history_state``) in slice order, None without one;
+        across processes gathered from every process (a collective)."""
+        if self.rollout.engines[self.rollout.local_slices[0]].ngram_history is None:
+            return None
+        mine = {str(s): e.history_state() for s, e in self.rollout.engines.items()}
+        if self.rollout.across_processes:
+            from tlt_jax.distributed.multihost import allgather_objects
+
+            mine = {s: st for part in allgather_objects(mine) for s, st in part.items()}
+        return {"slices": [mine[str(s)] for s in range(self.rollout.num_slices)]}
+
+    def load_history_state(self, state: dict | None) -> None:
+        """Restore ``history_state()`` output (None: nothing saved, the stores stay empty)."""
+        if state is None:
+            return
+        if len(state["slices"]) != self.rollout.num_slices:
+            raise ValueError(f"the checkpoint holds {len(state['slices'])} slice engines' n-gram histories, this run "
+                             f"has {self.rollout.num_slices} (rollout.num_slices must match to resume them)")
+        for s, e in self.rollout.engines.items():
+            e.load_history_state(state["slices"][s])
+
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` output: one engine state per slice, in slice order."""
         saved = state.get("slices")

@@ -130,9 +130,13 @@ def attention_block(q, k_new, v_new, new_mask, k_cache=None, v_cache=None, cache
 def kernel_attention(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask):
     """The Pallas tree-attention kernel (interpreted on CPU), under ``jax.shard_map`` inside a sharded step (see
     ``distributed.activation_sharding``): each device runs it on its rows (batch over the data axes) and its heads
-    (over "tensor"; query head groups stay with their KV head), so no cache is gathered into the kernel."""
-    call = functools.partial(prefix_tree_attention, interpret=jax.default_backend() == "cpu")
+    (over "tensor"; query head groups stay with their KV head), so no cache is gathered into the kernel.
+    The kernel is that of the step's devices (the mesh's platform: compiled for TPU devices from a CPU host, Mosaic's;
+    on CPU devices the Triton kernel, interpreted)."""
     ctx = activation_context()
+    platform = jax.default_backend() if ctx is None else ctx[0].devices.flat[0].platform
+    call = functools.partial(prefix_tree_attention, interpret=platform == "cpu",
+                             backend="tpu" if platform == "tpu" else "gpu")
     if ctx is None:
         return call(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask)
     mesh, rules = ctx

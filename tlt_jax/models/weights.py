@@ -276,22 +276,10 @@ def _expected_hf_names(cfg: ModelConfig) -> Iterator[tuple[_Spec, int | None, st
             yield spec, None, spec.hf_name
 
 
-def model_from_hf_tensors(
-    cfg: ModelConfig,
-    source: TensorSource,
-    *,
-    dtype=jnp.float32,
-    param_dtype=None,
-    origin: str = "checkpoint",
-    allowed_extra: Callable[[str, np.ndarray | None], bool] | None = None,
-    shardings: nnx.State | None = None,
-) -> CausalLM:
-    """Check every HF-named tensor of ``source`` (present, right shape, nothing unexpected) and build the model.
-
-    ``allowed_extra(name)`` may accept tensors the model does not use (e.g. an all-zero o_proj bias). With
-    ``shardings`` (an NNX state of NamedShardings, e.g. ``distributed.state_shardings``) each parameter is created
-    sharded and this process reads only its devices' slices (whole tensors from sources without ``get_slice``).
-    """
+def _check_names(cfg: ModelConfig, source: TensorSource, origin: str,
+                 allowed_extra: Callable[[str, np.ndarray | None], bool] | None) -> None:
+    """Raise ``ModelLoadError`` unless ``source`` has every tensor the config needs and none it has no parameter for
+    (``allowed_extra`` may accept some)."""
     present = set(source.names())
     expected = {name for _, _, name in _expected_hf_names(cfg)}
     missing = sorted(expected - present)
@@ -317,37 +305,62 @@ def model_from_hf_tensors(
             f"attention_bias={cfg.attention_bias}) has no parameter for it"
         )
 
-    def fetch(spec: _Spec, name: str) -> np.ndarray:
-        x = source.get(name)
-        want = spec.hf_shape(cfg)
-        if tuple(x.shape) != want:
-            raise ModelLoadError(
-                f"{source.where(name)}: tensor {name!r} has shape {tuple(x.shape)}, expected {want} from the config"
-            )
-        if not np.issubdtype(x.dtype, np.floating) and x.dtype != np.dtype(jnp.bfloat16):
-            raise ModelLoadError(f"{source.where(name)}: tensor {name!r} has dtype {x.dtype}, expected a float type")
-        return spec.to_ours(x, cfg)
 
-    def fetch_block(spec: _Spec, name: str, index: tuple[slice, ...], ours: tuple[int, ...]) -> np.ndarray:
-        if not hasattr(source, "get_slice"):  # e.g. GGUF: de-quantised whole, then cut
-            return fetch(spec, name)[index]
-        want = spec.hf_shape(cfg)
-        if tuple(source.shape(name)) != want:
-            raise ModelLoadError(
-                f"{source.where(name)}: tensor {name!r} has shape {tuple(source.shape(name))}, expected {want} from "
-                "the config"
-            )
-        hf_index, shape = _hf_index(spec, index, ours)
-        return source.get_slice(name, hf_index).transpose(spec.perm).reshape(shape)
+def _fetch(cfg: ModelConfig, source: TensorSource, spec: _Spec, name: str) -> np.ndarray:
+    """The whole tensor ``name`` in our layout, after checking its shape and dtype."""
+    x = source.get(name)
+    want = spec.hf_shape(cfg)
+    if tuple(x.shape) != want:
+        raise ModelLoadError(
+            f"{source.where(name)}: tensor {name!r} has shape {tuple(x.shape)}, expected {want} from the config"
+        )
+    if not np.issubdtype(x.dtype, np.floating) and x.dtype != np.dtype(jnp.bfloat16):
+        raise ModelLoadError(f"{source.where(name)}: tensor {name!r} has dtype {x.dtype}, expected a float type")
+    return spec.to_ours(x, cfg)
+
+
+def _fetch_block(cfg: ModelConfig, source: TensorSource, spec: _Spec, name: str, index: tuple[slice, ...],
+                 ours: tuple[int, ...]) -> np.ndarray:
+    """The block ``index`` (of shape ``ours``) of tensor ``name`` in our layout, reading only its slice where the
+    source can."""
+    if not hasattr(source, "get_slice"):  # e.g. GGUF: de-quantised whole, then cut
+        return _fetch(cfg, source, spec, name)[index]
+    want = spec.hf_shape(cfg)
+    if tuple(source.shape(name)) != want:
+        raise ModelLoadError(
+            f"{source.where(name)}: tensor {name!r} has shape {tuple(source.shape(name))}, expected {want} from "
+            "the config"
+        )
+    hf_index, shape = _hf_index(spec, index, ours)
+    return source.get_slice(name, hf_index).transpose(spec.perm).reshape(shape)
+
+
+def model_from_hf_tensors(
+    cfg: ModelConfig,
+    source: TensorSource,
+    *,
+    dtype=jnp.float32,
+    param_dtype=None,
+    origin: str = "checkpoint",
+    allowed_extra: Callable[[str, np.ndarray | None], bool] | None = None,
+    shardings: nnx.State | None = None,
+) -> CausalLM:
+    """Check every HF-named tensor of ``source`` (present, right shape, nothing unexpected) and build the model.
+
+    ``allowed_extra(name)`` may accept tensors the model does not use (e.g. an all-zero o_proj bias). With
+    ``shardings`` (an NNX state of NamedShardings, e.g. ``distributed.state_shardings``) each parameter is created
+    sharded and this process reads only its devices' slices (whole tensors from sources without ``get_slice``).
+    """
+    _check_names(cfg, source, origin, allowed_extra)
 
     def read(path, abstract, index):
         spec = _BY_PATH[path]
         if not spec.per_layer:
-            return fetch_block(spec, spec.hf_name, index, abstract.shape)
+            return _fetch_block(cfg, source, spec, spec.hf_name, index, abstract.shape)
         layers = range(*index[0].indices(cfg.num_layers))
         out = None
         for k, i in enumerate(layers):
-            x = fetch_block(spec, spec.hf_name.format(i=i), index[1:], abstract.shape[1:])
+            x = _fetch_block(cfg, source, spec, spec.hf_name.format(i=i), index[1:], abstract.shape[1:])
             if out is None:
                 out = np.empty((len(layers), *x.shape), abstract.dtype)
             out[k] = x
@@ -361,9 +374,9 @@ def model_from_hf_tensors(
         if spec.per_layer:
             out = np.empty(abstract.shape, abstract.dtype)
             for i in range(cfg.num_layers):
-                out[i] = fetch(spec, spec.hf_name.format(i=i))
+                out[i] = _fetch(cfg, source, spec, spec.hf_name.format(i=i))
             return out
-        return fetch(spec, spec.hf_name)
+        return _fetch(cfg, source, spec, spec.hf_name)
 
     return model_from_arrays(cfg, arrays, dtype, param_dtype)
 

@@ -24,7 +24,7 @@ from tlt_jax.distributed import LogicalRules, max_device_bytes
 from tlt_jax.distributed.multihost import to_host
 from tlt_jax.rewards import RewardFn, example_max_new_tokens
 from tlt_jax.rl.advantages import compute_advantages
-from tlt_jax.rl.logprobs import make_logprob_fn
+from tlt_jax.rl.logprobs import logprob_chunk_rows, make_logprob_fn
 from tlt_jax.rl.train_step import LossConfig, TrainState, init_train_state, lr_schedule, make_optimizer, make_train_step
 from tlt_jax.rollout import SamplingParams, arm_share_metrics
 
@@ -41,12 +41,12 @@ def check_micro_batch(cfg: Config, mesh: Mesh, rules: LogicalRules = LogicalRule
     does not divide over them would be replicated silently by XLA, so it is a config error, raised before any work."""
     axes = [a for a in rules.lookup("batch") if a in mesh.shape]
     size = int(np.prod([mesh.shape[a] for a in axes]))
-    micro = cfg.rl.micro_batch_size
-    if micro % size:
-        raise ConfigError(
-            f"config.rl.micro_batch_size: {micro} does not divide over the mesh's batch axes "
-            f"{' x '.join(axes)} = {size} devices: use a multiple of {size} (or fewer devices)"
-        )
+    for key, rows in (("micro_batch_size", cfg.rl.micro_batch_size), ("logprob_chunk_rows", cfg.rl.logprob_chunk_rows)):
+        if rows % size:
+            raise ConfigError(
+                f"config.rl.{key}: {rows} does not divide over the mesh's batch axes "
+                f"{' x '.join(axes)} = {size} devices: use a multiple of {size} (or fewer devices)"
+            )
 
 
 def _bf16(x: jax.Array) -> jax.Array:
@@ -133,9 +133,8 @@ class GRPOLearner:
             on_policy=cfg.updates_per_step == 1,  # one update per step: old log-probs = the update's own forward
         )
         self._train_step = make_train_step(self.graphdef, self.tx, self.loss_cfg, self.state, mesh=mesh, rules=rules)
-        self._logprobs = make_logprob_fn(
-            self.graphdef, chunk_size=rl.micro_batch_size, temperature=cfg.rollout.temperature, mesh=mesh, rules=rules
-        )
+        self.model_config = model.config
+        self._logprob_fns: dict[int, object] = {}  # by rows per chunk (logprob_chunk_rows: per sequence length)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
 
@@ -147,6 +146,19 @@ class GRPOLearner:
         """The sampling seed of step ``step``'s rollouts: a hash of (run key, step), computed on the host."""
         words = [int(w) for w in np.asarray(self.run_key, np.uint32).ravel()]
         return int(np.random.SeedSequence([*words, step]).generate_state(1, np.uint32)[0])
+
+    def logprob_fn(self, shape: tuple[int, int]):
+        """The jitted log-prob pass (old policy or reference, ``make_logprob_fn``) for ``shape`` = (rows, sequence
+        length), in chunks of ``logprob_chunk_rows`` rows for that shape (few chunks: with FSDP each gathers the whole
+        model once)."""
+        rows = logprob_chunk_rows(self.cfg, self.mesh, self.model_config, *shape, self.rules)
+        if rows not in self._logprob_fns:
+            self._logprob_fns[rows] = make_logprob_fn(self.graphdef, chunk_size=rows, mesh=self.mesh, rules=self.rules,
+                                                      temperature=self.cfg.rollout.temperature)
+        return self._logprob_fns[rows]
+
+    def _logprobs(self, params: nnx.State, ids: jax.Array, attn: jax.Array) -> np.ndarray:
+        return to_host(self.logprob_fn(ids.shape)(params, self.rest, ids, attn))
 
     def _put(self, x: np.ndarray) -> jax.Array:
         logical = ("batch",) + (None,) * (x.ndim - 1)
@@ -169,22 +181,7 @@ class GRPOLearner:
         prompts = [list(ex["prompt_ids"]) for ex in examples]
         if progress is not None:
             progress.start_rollout(len(prompts) * n)
-        t_reshard = time.perf_counter()
-        self._publish()  # training layout -> rollout layout
-        jax.block_until_ready(self.engine.params)
-        t_reshard = time.perf_counter() - t_reshard
-        reshard_bytes = max_device_bytes(self.engine.params)  # now: the train step may donate shared arrays
-        sampling = SamplingParams(
-            temperature=ro.temperature,
-            top_k=ro.top_k,
-            top_p=ro.top_p,
-            max_new_tokens=_max_new_tokens(examples, ro.max_new_tokens),
-            n=n,
-            seed=self.rollout_seed(step),
-        )
-        res = self.engine.generate(
-            prompts, sampling, on_chunk=None if progress is None else progress.rollout_update
-        )
+        res, t_reshard, reshard_bytes = self._rollout(step, examples, prompts, progress)
         t_rollout = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -194,16 +191,7 @@ class GRPOLearner:
         adv = np.asarray(compute_advantages(cfg.rl.advantage, jnp.asarray(rewards.scores))).reshape(-1)
         seqs = build_sequences(prompts, res.tokens)
         t2 = time.perf_counter()
-        ids, attn = self._put(seqs["input_ids"]), self._put(seqs["attention_mask"])
-        shape = seqs["input_ids"].shape
-        # On-policy (one update per step): the update takes the old log-probs from its own forward, no pass here.
-        old = (np.zeros(shape, np.float32) if self.loss_cfg.on_policy
-               else to_host(self._logprobs(self.state.params, self.rest, ids, attn)))
-        ref = (
-            to_host(self._logprobs(self.ref_params, self.rest, ids, attn))
-            if self.ref_params is not None
-            else np.zeros(shape, np.float32)
-        )
+        old, ref = self._old_ref_logprobs(seqs)
         t_logprob = time.perf_counter() - t2
 
         if before_update is not None:
@@ -246,6 +234,36 @@ class GRPOLearner:
             metrics["rollout/verify_steps"] = float(stats["verify_steps"])
         metrics.update(arm_share_metrics(stats))  # adaptive engines: the share of decode steps each arm ran
         return metrics
+
+    def _rollout(self, step: int, examples: Sequence[dict], prompts: list[list[int]], progress):
+        """Publish the policy to the engine and sample the step's groups: (result, reshard seconds, reshard bytes)."""
+        ro = self.cfg.rollout
+        t_reshard = time.perf_counter()
+        self._publish()  # training layout -> rollout layout
+        jax.block_until_ready(self.engine.params)
+        t_reshard = time.perf_counter() - t_reshard
+        reshard_bytes = max_device_bytes(self.engine.params)  # now: the train step may donate shared arrays
+        sampling = SamplingParams(
+            temperature=ro.temperature,
+            top_k=ro.top_k,
+            top_p=ro.top_p,
+            max_new_tokens=_max_new_tokens(examples, ro.max_new_tokens),
+            n=ro.samples_per_prompt,
+            seed=self.rollout_seed(step),
+        )
+        res = self.engine.generate(
+            prompts, sampling, on_chunk=None if progress is None else progress.rollout_update
+        )
+        return res, t_reshard, reshard_bytes
+
+    def _old_ref_logprobs(self, seqs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """The old policy's and the reference's log-probs of the sequences (zeros where no pass is needed)."""
+        ids, attn = self._put(seqs["input_ids"]), self._put(seqs["attention_mask"])
+        shape = seqs["input_ids"].shape
+        # On-policy (one update per step): the update takes the old log-probs from its own forward, no pass here.
+        old = np.zeros(shape, np.float32) if self.loss_cfg.on_policy else self._logprobs(self.state.params, ids, attn)
+        ref = np.zeros(shape, np.float32) if self.ref_params is None else self._logprobs(self.ref_params, ids, attn)
+        return old, ref
 
     def _update(self, step: int, batch: dict[str, np.ndarray], progress) -> dict[str, float]:
         cfg = self.cfg

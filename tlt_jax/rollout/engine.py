@@ -37,6 +37,7 @@ from tlt_jax.rollout.run import OFF, GenerateRun
 from tlt_jax.rollout.spec_steps import SpecConfig, register_spec, resolve_drafter
 from tlt_jax.rollout.steps import StepContext, register_plain
 from tlt_jax.speculative import NgramDrafter
+from tlt_jax.speculative.history import NgramHistory
 
 
 class RolloutEngine:
@@ -71,6 +72,11 @@ class RolloutEngine:
     ``model`` and later ``set_params`` models stay fp32 masters. attention_impl: "xla" (default) or "pallas" (the
     tree-attention kernel for decode and verify; interpreted on CPU). layers: "stacked" (scanned, as trained) or
     "unstacked" (one array per layer, run unrolled: no per-step copies of stacked weight slices on GPU).
+    ngram_history_bytes: with n-gram arms, keep each call's responses per prompt (``ngram_history``, a
+    ``NgramHistory`` of at most this many token bytes; 0 = none) as draft sources of later calls.
+    sampling_filters: False compiles the steps without top-k / top-p (no full-vocabulary sort, and with a vocabulary
+    split over tensor-parallel devices no collective but two small all-reduces per sampled token; RL rollouts, which
+    reject both); ``generate`` then refuses SamplingParams that set them.
     """
 
     def __init__(
@@ -99,6 +105,8 @@ class RolloutEngine:
         dtype: Any = None,
         attention_impl: str | None = None,
         layers: str | None = None,
+        ngram_history_bytes: int = 0,
+        sampling_filters: bool = True,
     ):
         self.rollout_layout = dict(dtype=dtype, attention_impl=attention_impl, layers=layers)  # rollout layout
         model = rollout_copy(model, **self.rollout_layout)  # rollout layout (issue 19)
@@ -130,6 +138,16 @@ class RolloutEngine:
         self.param_rules = decode_rules(rules)  # weights split over "tensor" only: decode steps gather none
         self.graphdef, self.params = nnx.split(shard_module(model, self.mesh, self.param_rules))
         self._resharder: Resharder | None = None  # made on the first set_params
+        ngram_arms = self._init_arms(drafter, ngram_history_bytes)
+        self.ctx = self._step_context(model, capture, ngram_arms, sampling_filters)
+        self._init_pool(pool_budget, compiler_options, pool_max_bytes)
+        self._tree_shape = self._shape_of(self.spec)
+        if precompile:
+            self.precompile()
+
+    def _init_arms(self, drafter: Any, ngram_history_bytes: int) -> bool:
+        """The arms, their tree shapes, the bandit, the n-gram drafter and history, the EAGLE drafter's params;
+        returns whether any arm drafts n-grams."""
         # Arms: "off" + the speculative arms (adaptive: the bandit's list); the tree shape of each verify step.
         self.arms = self.spec.engine_arms(self.drafter_kind) if self.spec else (Arm("off"),)
         self.arm_specs = {a: self.spec.for_arm(a) for a in self.arms if a.speculative}
@@ -137,10 +155,19 @@ class RolloutEngine:
         ngram_arms = any(a.kind == "ngram" for a in self.arms)
         self.ngram = NgramDrafter(2, 1) if ngram_arms and self.drafter_kind == "eagle" else None  # template only
         self.ngram = drafter if self.drafter_kind == "ngram" else self.ngram
+        # n-gram arms also draft from the prompt's responses in earlier calls (a store of this many token bytes)
+        use_history = ngram_history_bytes > 0 and self.ngram is not None
+        self.ngram_history = NgramHistory(ngram_history_bytes) if use_history else None
         self.drafter_graphdef, self.drafter_params = None, None
         if self.drafter_kind == "eagle":
             self.drafter_graphdef, self.drafter_params = nnx.split(shard_module(drafter, self.mesh, self.param_rules))
-        self.ctx = StepContext(
+        return ngram_arms
+
+    def _step_context(self, model: CausalLM, capture: HiddenCapture | None, ngram_arms: bool,
+                      sampling_filters: bool) -> StepContext:
+        """What every compiled step of this engine is specialised to (shapes, layouts, capture, mesh)."""
+        cfg, rules = self.config, self.rules
+        return StepContext(
             graphdef=self.graphdef,
             config=cfg,
             max_len=self.max_len,
@@ -158,16 +185,17 @@ class RolloutEngine:
                 (s.drafter_len(self.max_len) for a, s in self.arm_specs.items() if a.kind == "eagle"), default=0
             ),
             report_tokens=ngram_arms,  # the host builds n-gram trees from every emitted token, whatever the arm
+            sampling_filters=sampling_filters,
         )
+
+    def _init_pool(self, pool_budget: int, compiler_options: dict[str, Any] | None, pool_max_bytes: int | None) -> None:
+        """The pool of compiled steps, with the plain steps and each speculative arm's registered."""
         self.pool = StepPool(pool_budget, compiler_options, max_bytes=pool_max_bytes)
         register_plain(self.pool, self.ctx)
         for a, s in self.arm_specs.items():
             register_spec(self.pool, self.ctx, s, a.kind)
         spec_arms = [a.pool_name for a in self.arm_specs]
         self.spec_arm = spec_arms[0] if len(spec_arms) == 1 else None  # the fixed arm's pool name (not adaptive)
-        self._tree_shape = self._shape_of(self.spec)
-        if precompile:
-            self.precompile()
 
     # ---- weights and compiled steps -------------------------------------------------------------------------
 
@@ -242,6 +270,16 @@ class RolloutEngine:
             raise ValueError("the saved engine state has no bandit; it was saved by an engine without spec.arms")
         self.bandit.load_state_dict(state["bandit"])
 
+    def history_state(self) -> dict[str, Any] | None:
+        """The n-gram history's state (``ngram_history_bytes``) as JSON values, None without one: a run checkpoints
+        it beside the bandit (``builders.restore_engine_state``), so a resumed run drafts from the same store."""
+        return None if self.ngram_history is None else self.ngram_history.state_dict()
+
+    def load_history_state(self, state: dict[str, Any] | None) -> None:
+        """Restore ``history_state()`` output; None (a checkpoint without a store) leaves the store as it is."""
+        if self.ngram_history is not None and state is not None:
+            self.ngram_history.load_state_dict(state)
+
     def precompile(self) -> None:
         """Compile every reachable (decode or verify, arm, batch bucket, length bucket) and compaction step ahead
         of time (verify only for buckets the threshold can reach; ``BanditConfig.reachable``)."""
@@ -304,6 +342,9 @@ class RolloutEngine:
                 raise ValueError(
                     f"prompts[{i}]: {len(p)} prompt tokens + max_new_tokens={m} exceeds max_len={self.max_len}"
                 )
+        if not self.ctx.sampling_filters and (params.top_k or params.top_p < 1.0):
+            raise ValueError(f"this engine was built with sampling_filters=False: top_k={params.top_k} / "
+                             f"top_p={params.top_p} need an engine with sampling_filters=True")
         stops = self._stop_ids(params)
         if len(stops) > self.max_stop_tokens:
             raise ValueError(

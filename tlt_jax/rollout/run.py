@@ -26,8 +26,21 @@ from tlt_jax.rollout.spec_steps import SpecConfig, propose_ngram
 from tlt_jax.rollout.state import RowInit, StepInfo
 from tlt_jax.rollout.steps import StepContext
 from tlt_jax.speculative import NgramDrafter
+from tlt_jax.speculative.history import NgramHistory
 
 OFF = Arm("off")
+
+
+class _Wave:
+    """One wave's loop state, carried from round trip to round trip (``GenerateRun.wave``): the decode state, the last
+    step's info, each row's sample index (or -1), prompt length and budget, and the drafting flags."""
+
+    def __init__(self, state, info: StepInfo, slots: np.ndarray, plen_row: np.ndarray, maxnew_row: np.ndarray,
+                 t0: float, gate: SpecGate | None):
+        self.state, self.info, self.slots, self.plen_row, self.maxnew_row = state, info, slots, plen_row, maxnew_row
+        self.t0, self.gate, self.spec_on = t0, gate, False  # t0: the prefill's end; gate: per wave, hysteresis
+        self.drafter_current = False  # an EAGLE verify ran last: no prefill/plain/n-gram pairs left to catch up over
+        self.drafted_with = None  # the drafter weights that built the drafter cache (the last EAGLE verify's)
 
 
 class EngineParts(Protocol):
@@ -39,6 +52,7 @@ class EngineParts(Protocol):
     bandit: Bandit | None
     arm_specs: dict[Arm, SpecConfig]
     ngram: NgramDrafter | None
+    ngram_history: NgramHistory | None
     chunk_size: int
     length_buckets: tuple[int, ...]
     max_stop_tokens: int
@@ -66,6 +80,7 @@ class GenerateRun:
         self.on_chunk: Callable[[int], None] | None = None
         # n-gram drafting: every sample's generated tokens so far, kept from the info of each call (no extra read).
         self.gen: list[list[int]] | None = [[] for _ in range(n_total)] if engine.ngram is not None else None
+        self.past: dict[int, list[np.ndarray]] = {}  # prompt -> its earlier calls' responses (``ngram_history``)
 
     def _put(self, x: np.ndarray, replicated: bool = False):
         sh = self.e.ctx.replicated() if replicated else self.e.ctx.batch_sharding(x.shape)
@@ -125,137 +140,147 @@ class GenerateRun:
         return state, info, slots, plen_row, np.array(init.max_new, np.int64)
 
     def wave(self, rows: list[tuple[int, int]]) -> None:
+        """Decode the wave's rows (prefill, then one round trip per chunk until none is live) and harvest them."""
         e = self.e
-        state, info, slots, plen_row, maxnew_row = self.prefill(rows)
-        b = len(slots)
-        wave_t0, spec_on = time.perf_counter(), False
-        drafter_current = False  # an EAGLE verify ran last: no prefill / plain / n-gram pairs left to catch up over
-        drafted_with = None  # the drafter weights that built the drafter cache (the last EAGLE verify's)
-        gate = SpecGate(e.spec.threshold, e.spec.patience) if e.spec else None  # per wave: hysteresis
+        w = _Wave(*self.prefill(rows), t0=time.perf_counter(),
+                  gate=SpecGate(e.spec.threshold, e.spec.patience) if e.spec else None)
         while True:
-            done, ngen = info.done, info.num_generated
-            real = slots >= 0
-            live = ~done & real
+            done, ngen = w.info.done, w.info.num_generated
+            live = ~done & (w.slots >= 0)
             n_live = int(live.sum())
             if self.on_chunk is not None:
                 self.on_chunk(n_live)
             if n_live == 0:
                 break
-            if e.compaction and bk.pick(e.batch_buckets, n_live) < b:
-                nb = bk.pick(e.batch_buckets, n_live)
-                keep = np.nonzero(live)[0]
-                self._harvest(state, done & real, slots, ngen)
-                idx = np.full((nb,), keep[0], np.int32)
-                idx[:n_live] = keep
-                ok = np.arange(nb) < n_live
-                cargs = (state, self._put(idx, True), self._put(ok, True))
-                cexe = e.pool.get(StepKey("compact", nb, 0, "plain", (b,)), *cargs)
-                t0 = time.perf_counter()
-                state, _ = cexe(*cargs)
-                self.compactions.append(dict(src=b, dst=nb, seconds=time.perf_counter() - t0))
-                slots = np.where(ok, slots[idx], -1)
-                plen_row, maxnew_row, ngen = plen_row[idx], maxnew_row[idx], ngen[idx]
-                done = np.where(ok, done[idx], True)
-                b = nb
-                live = ~done
-            committed = plen_row + ngen - 1
-            cache_length = functools.partial(self._cache_length, committed, plen_row + maxnew_row - 1, live)
-            speculate = gate is not None and gate.update(n_live)
-            arm = wanted = e.choose_arm(speculate, b)
-            length, quiet = cache_length(arm), True
-            if speculate and e.background_compile:
-                # A speculative step not compiled yet compiles on the pool's worker thread; plain decoding (the
-                # tokens are the same) runs meanwhile. Every process takes the same arm (``agreed_all``).
-                e.pool.collect()
-                key = step_key(arm, b, length)
-                if not arm.speculative:
-                    ready = True
-                elif key in e.pool or (e.bandit is None or e.bandit.may_spend()) and not self._one_at_a_time():
-                    ready = e.pool.prepare(key, functools.partial(e.abstract_args, arm, b, length))
-                else:  # the loss budget is spent (or a compile runs already): plain decoding, no compile
-                    ready = False
-                ready, quiet = agreed_all(ready, not e.pool.compiling, across=e.spans_processes)
-                if not ready:
-                    arm = OFF
-                    length = cache_length(arm)
-            if arm.speculative and not spec_on:
-                spec_on = True
-                self.switches.append(dict(active=n_live, batch=b, after_seconds=time.perf_counter() - wave_t0))
+            if e.compaction and bk.pick(e.batch_buckets, n_live) < len(w.slots):
+                ngen, live = self._compact(w, live, done, ngen, n_live)
+            self._round_trip(w, live, ngen, n_live)
+        self._harvest(w.state, w.slots >= 0, w.slots, w.info.num_generated)
+
+    def _compact(self, w: _Wave, live: np.ndarray, done: np.ndarray, ngen: np.ndarray, n_live: int):
+        """Harvest the finished rows and move the live ones into the smallest batch bucket that holds them; returns
+        the new rows' (ngen, live)."""
+        e, b, nb = self.e, len(w.slots), bk.pick(self.e.batch_buckets, n_live)
+        keep = np.nonzero(live)[0]
+        self._harvest(w.state, done & (w.slots >= 0), w.slots, ngen)
+        idx = np.full((nb,), keep[0], np.int32)
+        idx[:n_live] = keep
+        ok = np.arange(nb) < n_live
+        cargs = (w.state, self._put(idx, True), self._put(ok, True))
+        cexe = e.pool.get(StepKey("compact", nb, 0, "plain", (b,)), *cargs)
+        t0 = time.perf_counter()
+        w.state, _ = cexe(*cargs)
+        self.compactions.append(dict(src=b, dst=nb, seconds=time.perf_counter() - t0))
+        w.slots = np.where(ok, w.slots[idx], -1)
+        w.plen_row, w.maxnew_row = w.plen_row[idx], w.maxnew_row[idx]
+        return ngen[idx], ~np.where(ok, done[idx], True)
+
+    def _round_trip(self, w: _Wave, live: np.ndarray, ngen: np.ndarray, n_live: int) -> None:
+        """One chunk: choose its arm, run its decode or verify step, read its info, record it, feed the bandit."""
+        e, b = self.e, len(w.slots)
+        cache_length = functools.partial(self._cache_length, w.plen_row + ngen - 1, w.plen_row + w.maxnew_row - 1, live)
+        speculate = w.gate is not None and w.gate.update(n_live)
+        arm = wanted = e.choose_arm(speculate, b)
+        length, quiet = cache_length(arm), True
+        if speculate and e.background_compile:
+            ready, quiet = self._background_ready(arm, b, length)
+            if not ready:
+                arm, length = OFF, cache_length(OFF)
+        if arm.speculative and not w.spec_on:
+            w.spec_on = True
+            self.switches.append(dict(active=n_live, batch=b, after_seconds=time.perf_counter() - w.t0))
+        key, args, host_s, swapped = self._step_args(w, arm, b, length, live)
+        compiled_s = e.pool.compile_seconds
+        exe = e.pool.get(key, *args)
+        compiled_s = e.pool.compile_seconds - compiled_s  # compiled (or waited for) in place
+        catchup_s = 0.0
+        if arm.kind == "eagle" and e.bandit is not None and not w.drafter_current:
+            # The drafter's catch-up over the pairs other arms recorded is a cost of switching, not of the arm:
+            # run it alone (0 rounds) and keep it out of the bandit's reward (it stays in the chunk's seconds).
             t0 = time.perf_counter()
-            key, args = step_key(arm, b, length), (e.step_params(), state)
-            if arm.kind == "ngram":
-                args = (*args, *map(self._put, self._ngram_trees(arm, live, slots)))
-            elif arm.kind == "eagle":
-                swapped = drafted_with is not None and args[0][1] is not drafted_with
-                if swapped:  # a hot swap (set_drafter during the call): the new weights rebuild the drafter cache
-                    state, drafter_current = state.replace(aux=forget(state.aux)), False
-                    args = (args[0], state)
-                drafted_with = args[0][1]
-                args = (*args, self._rounds(self._spec_steps(arm)))
-            host_s = time.perf_counter() - t0
-            compiled_s = e.pool.compile_seconds
-            exe = e.pool.get(key, *args)
-            compiled_s = e.pool.compile_seconds - compiled_s  # compiled (or waited for) in place
-            catchup_s = 0.0
-            if arm.kind == "eagle" and e.bandit is not None and not drafter_current:
-                # The drafter's catch-up over the pairs other arms recorded is a cost of switching, not of the arm:
-                # run it alone (0 rounds) and keep it out of the bandit's reward (it stays in the chunk's seconds).
-                t0 = time.perf_counter()
-                state = jax.block_until_ready(exe(args[0], state, self._rounds(0))[0])
-                catchup_s = time.perf_counter() - t0
-                args = (args[0], state, args[2])
-            first = e.pool.first_run(key)
-            act = e.pool.activity  # a sliced rollout's: the other slices' drafter steps and compiles in this process
-            mark = None if act is None else act.mark(own=e.pool)
-            t0 = time.perf_counter()
-            state, packed = exe(*args)
-            info = StepInfo.unpack(jax.device_get(packed), speculative=arm.speculative)
-            dt = time.perf_counter() - t0 + host_s
-            disturbed = act is not None and not e.spans_processes and not act.quiet_since(mark, own=e.pool)
-            quiet = quiet and not disturbed
-            drafter_current = arm.kind == "eagle"
-            emitted = info.num_generated - ngen
-            tokens = int(emitted.sum())
-            chunk = dict(
-                batch=b, active=n_live, length=length, arm=key.arm, choice=str(arm), seconds=dt + catchup_s,
-                tokens=tokens, first_run=first, lag_tokens=_lag_tokens(emitted, live, info.done, maxnew_row - ngen),
-            )
-            if compiled_s > 0:
-                chunk["compile_seconds"] = compiled_s  # not in its seconds
-            if wanted != arm:
-                chunk["waited_for"] = str(wanted)  # the bandit's choice, compiling in the background
-            if not quiet:
-                chunk["compile_overlap" if not disturbed else "disturbed"] = True  # not a measure of its arm
-            if arm.kind == "eagle" and swapped:
-                chunk["drafter_swapped"] = True  # it rebuilt the drafter cache with the new weights first
-            if not arm.speculative:
-                chunk["steps"] = int(emitted.max(initial=0))
-            else:
-                chunk["steps"] = int(info.verifies.max(initial=0))
-                chunk.update(
-                    verify_steps=chunk["steps"],
-                    row_verifies=int(info.verifies.sum()),
-                    accepted=int(info.accepted.sum()),
-                    host_seconds=host_s,
-                    catchup_seconds=catchup_s,
-                )
-            self.steps += chunk["steps"]
-            # A step's first run is not a measure of it (``first_run``), nor is a round trip that shared the machine
-            # with a background compile. Every process feeds the same numbers: tokens are replicated, seconds agreed.
-            # Every round trip the bandit decided goes into its loss ledger (``Bandit.charge``), observed or not,
-            # with a speculative step's compile in place (plain decoding compiles its own steps too).
-            if e.bandit is not None and (speculate or (not first and quiet)):
-                rows = chunk.get("row_verifies", tokens) / max(chunk["steps"], 1)  # live rows per step (plain: 1 token)
-                seen, all_s = agreed_seconds(dt, chunk["seconds"] + (compiled_s if arm.speculative else 0.0),
-                                             across=e.spans_processes)
-                if not first and quiet:
-                    e.bandit.observe(arm, b, tokens, seen, chunk["steps"], rows=rows, lag=chunk["lag_tokens"])
-                if speculate:  # plain decoding without a compile beside it costs what it would cost anyway
-                    plain = not arm.speculative and quiet
-                    e.bandit.charge(arm, b, tokens, all_s, rows=rows, lag=chunk["lag_tokens"], as_plain=plain)
-            self._keep_tokens(info, ngen, slots)
-            self.chunks.append(chunk)
-        self._harvest(state, slots >= 0, slots, info.num_generated)
+            w.state = jax.block_until_ready(exe(args[0], w.state, self._rounds(0))[0])
+            catchup_s = time.perf_counter() - t0
+            args = (args[0], w.state, args[2])
+        first = e.pool.first_run(key)
+        act = e.pool.activity  # a sliced rollout's: the other slices' drafter steps and compiles in this process
+        mark = None if act is None else act.mark(own=e.pool)
+        t0 = time.perf_counter()
+        w.state, packed = exe(*args)
+        w.info = info = StepInfo.unpack(jax.device_get(packed), speculative=arm.speculative)
+        dt = time.perf_counter() - t0 + host_s
+        disturbed = act is not None and not e.spans_processes and not act.quiet_since(mark, own=e.pool)
+        quiet = quiet and not disturbed
+        w.drafter_current = arm.kind == "eagle"
+        emitted = info.num_generated - ngen
+        tokens = int(emitted.sum())
+        chunk = dict(
+            batch=b, active=n_live, length=length, arm=key.arm, choice=str(arm), seconds=dt + catchup_s,
+            tokens=tokens, first_run=first, lag_tokens=_lag_tokens(emitted, live, info.done, w.maxnew_row - ngen),
+        )
+        if compiled_s > 0:
+            chunk["compile_seconds"] = compiled_s  # not in its seconds
+        if wanted != arm:
+            chunk["waited_for"] = str(wanted)  # the bandit's choice, compiling in the background
+        if not quiet:
+            chunk["compile_overlap" if not disturbed else "disturbed"] = True  # not a measure of its arm
+        if arm.kind == "eagle" and swapped:
+            chunk["drafter_swapped"] = True  # it rebuilt the drafter cache with the new weights first
+        if not arm.speculative:
+            chunk["steps"] = int(emitted.max(initial=0))
+        else:
+            chunk["steps"] = int(info.verifies.max(initial=0))
+            chunk.update(verify_steps=chunk["steps"], row_verifies=int(info.verifies.sum()),
+                         accepted=int(info.accepted.sum()), host_seconds=host_s, catchup_seconds=catchup_s)
+        self.steps += chunk["steps"]
+        if e.bandit is not None and (speculate or (not first and quiet)):
+            self._feed_bandit(arm, b, chunk, dt, compiled_s, speculate, first, quiet)
+        self._keep_tokens(info, ngen, w.slots)
+        self.chunks.append(chunk)
+
+    def _background_ready(self, arm: Arm, b: int, length: int) -> tuple[bool, bool]:
+        """(ready, quiet): a speculative step not compiled yet compiles on the pool's worker thread; plain decoding (the
+        tokens are the same) runs meanwhile. Every process takes the same arm (``agreed_all``)."""
+        e = self.e
+        e.pool.collect()
+        key = step_key(arm, b, length)
+        if not arm.speculative:
+            ready = True
+        elif key in e.pool or (e.bandit is None or e.bandit.may_spend()) and not self._one_at_a_time():
+            ready = e.pool.prepare(key, functools.partial(e.abstract_args, arm, b, length))
+        else:  # the loss budget is spent (or a compile runs already): plain decoding, no compile
+            ready = False
+        return agreed_all(ready, not e.pool.compiling, across=e.spans_processes)
+
+    def _step_args(self, w: _Wave, arm: Arm, b: int, length: int, live: np.ndarray):
+        """(key, args, host seconds spent on them, whether the drafter was swapped) of the chunk's step."""
+        t0 = time.perf_counter()
+        key, args, swapped = step_key(arm, b, length), (self.e.step_params(), w.state), False
+        if arm.kind == "ngram":
+            args = (*args, *map(self._put, self._ngram_trees(arm, live, w.slots)))
+        elif arm.kind == "eagle":
+            swapped = w.drafted_with is not None and args[0][1] is not w.drafted_with
+            if swapped:  # a hot swap (set_drafter during the call): the new weights rebuild the drafter cache
+                w.state, w.drafter_current = w.state.replace(aux=forget(w.state.aux)), False
+                args = (args[0], w.state)
+            w.drafted_with = args[0][1]
+            args = (*args, self._rounds(self._spec_steps(arm)))
+        return key, args, time.perf_counter() - t0, swapped
+
+    def _feed_bandit(self, arm: Arm, b: int, chunk: dict, dt: float, compiled_s: float, speculate: bool, first: bool,
+                     quiet: bool) -> None:
+        """A step's first run is not a measure of it (``first_run``), nor is a round trip that shared the machine
+        with a background compile. Every process feeds the same numbers: tokens are replicated, seconds agreed.
+        Every round trip the bandit decided goes into its loss ledger (``Bandit.charge``), observed or not,
+        with a speculative step's compile in place (plain decoding compiles its own steps too)."""
+        e, tokens = self.e, chunk["tokens"]
+        rows = chunk.get("row_verifies", tokens) / max(chunk["steps"], 1)  # live rows per step (plain: 1 token)
+        seen, all_s = agreed_seconds(dt, chunk["seconds"] + (compiled_s if arm.speculative else 0.0),
+                                     across=e.spans_processes)
+        if not first and quiet:
+            e.bandit.observe(arm, b, tokens, seen, chunk["steps"], rows=rows, lag=chunk["lag_tokens"])
+        if speculate:  # plain decoding without a compile beside it costs what it would cost anyway
+            plain = not arm.speculative and quiet
+            e.bandit.charge(arm, b, tokens, all_s, rows=rows, lag=chunk["lag_tokens"], as_plain=plain)
 
     def _one_at_a_time(self) -> bool:
         """With a loss budget (``max_loss``) one background compile at a time, a deferred one included, so compiles
@@ -287,8 +312,9 @@ class GenerateRun:
             self.gen[slots[r]].extend(info.tokens[: new[r], r].tolist())
 
     def _ngram_trees(self, arm: Arm, live: np.ndarray, slots: np.ndarray):
-        """Host n-gram trees for the batch: sources are each row's prompt + output and its GRPO group's other
-        samples (rows in the batch, and samples already finished or compacted away)."""
+        """Host n-gram trees for the batch: sources are each row's prompt + output, its GRPO group's other
+        samples (rows in the batch, and samples already finished or compacted away) and, with an ``ngram_history``,
+        the prompt's responses in earlier calls (after this call's, so ties go to the current policy's samples)."""
         n = self.params.n
         contexts, groups = [], []
         for r, slot in enumerate(slots):
@@ -299,11 +325,18 @@ class GenerateRun:
                 contexts.append(np.asarray(self.prompts[slot // n] + self.gen[slot], np.int64))
                 groups.append(int(slot // n))
         in_batch = set(slots[slots >= 0].tolist())
-        for i in sorted({int(slots[r] // n) for r in np.nonzero(live)[0]}):
+        live_prompts = sorted({int(slots[r] // n) for r in np.nonzero(live)[0]})
+        for i in live_prompts:
             for slot in range(i * n, (i + 1) * n):
                 if slot not in in_batch and self.gen[slot]:
                     contexts.append(np.asarray(self.prompts[i] + self.gen[slot], np.int64))
                     groups.append(i)
+        for i in live_prompts if self.e.ngram_history is not None else ():
+            if i not in self.past:  # the store changes only when the call ends
+                prompt = np.asarray(self.prompts[i], np.int64)
+                self.past[i] = [np.concatenate([prompt, r]) for r in self.e.ngram_history.get(self.prompts[i])]
+            contexts.extend(self.past[i])
+            groups.extend([i] * len(self.past[i]))
         return propose_ngram(self.e.ngram, self.e.arm_specs[arm], contexts, groups, live, tuple(sorted(self.stops)))
 
     def _harvest(self, state, finished: np.ndarray, slots: np.ndarray, ngen: np.ndarray) -> None:
@@ -359,6 +392,9 @@ class GenerateRun:
                             prompt_host[id(ref)] = to_host(ref)
                         ph = prompt_host[id(ref)]  # [Bp, cap.prompt, H], ending at position p - 2
                         hidden[i][j] = np.concatenate([ph[k, cap.prompt - c :], hidden[i][j]])
+        if e.ngram_history is not None:  # drafts for later calls: this call's responses to each prompt
+            for prompt, group in zip(self.prompts, tokens, strict=True):
+                e.ngram_history.add(prompt, group)
         stats = self._stats()
         stats["total_tokens"] = int(self.final_n.sum())
         if cap:

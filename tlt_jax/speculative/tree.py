@@ -11,6 +11,7 @@ tokens among valid nodes: top-k children guarantee it for EAGLE, the n-gram draf
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
@@ -230,6 +231,18 @@ def coupled_scores(logits: jax.Array, sampling: DraftSampling, d: int, vocab: in
     return jnp.where(t > 0, scaled + g, logits)
 
 
+def _top_children(head, ids, sampling: DraftSampling | None, vocab_size: int, k: int, h: jax.Array, d: int):
+    """Top-k (log-prob, token) of the drafter's distribution at features h [..., H] for children at depth d + 1:
+    log-probs from the top scores minus the logsumexp (no full log_softmax materialised)."""
+    logits = head(h).astype(jnp.float32)
+    if sampling is not None:
+        logits = coupled_scores(logits, sampling, d, vocab_size, ids)
+    val, idx = jax.lax.top_k(logits, k)
+    lp = val - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    tok = idx if ids is None else jnp.take(ids, idx)
+    return lp, tok.astype(jnp.int32)
+
+
 def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: int, topk: int, num_nodes: int,
                 head=None, sampling: DraftSampling | None = None):
     """EAGLE-2 dynamic tree for every row; returns (Tree with max depth ``depth``, drafter cache with scratch).
@@ -252,17 +265,7 @@ def eagle_draft(policy, drafter, state: DraftState, root: jax.Array, *, depth: i
         raise ValueError(f"topk={topk} exceeds the draft vocabulary ({vocab})")
     if depth < 1 or num_nodes < 1:
         raise ValueError(f"depth ({depth}) and num_nodes ({num_nodes}) must be >= 1")
-
-    def top_children(h, d):
-        """Top-k (log-prob, token) of the drafter's distribution at features h [..., H] for children at depth d + 1:
-        log-probs from the top scores minus the logsumexp (no full log_softmax materialised)."""
-        logits = head(h).astype(jnp.float32)
-        if sampling is not None:
-            logits = coupled_scores(logits, sampling, d, cfg.vocab_size, ids)
-        val, idx = jax.lax.top_k(logits, k)
-        lp = val - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-        tok = idx if ids is None else jnp.take(ids, idx)
-        return lp, tok.astype(jnp.int32)
+    top_children = functools.partial(_top_children, head, ids, sampling, cfg.vocab_size, topk)
 
     cache = state.cache
     b, k = root.shape[0], topk
