@@ -109,8 +109,8 @@ def test_pallas_kernel_runs_under_shard_map_gathering_no_cache(monkeypatch):
     assert _gathered_caches(unsharded, cfg.head_dim, (16, 32))
 
 
-COLLECTIVE = re.compile(r"= \(?(\w+\[[\d,]*\])[^=]*? (?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
-                        r"(?:-start)?\(")
+COLLECTIVE = re.compile(r"= \(?(\w+\[[\d,]*\])[^=]*? "
+                        r"(?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
 
 
 def _vocab_collectives(engine, vocab_shard: int) -> list[str]:

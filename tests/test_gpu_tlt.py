@@ -51,13 +51,12 @@ def test_smoke_writes_every_figure(tmp_path):
     assert set(lossless["mismatched_rows"]["greedy"]["1"]) == {"eagle:3x1x4", "ngram:2x1x3", "adaptive"}
     assert res["goals"]["lossless"]["met"] and set(res["goals"]) >= {"sd_b1_greedy", "e2e_tlt_over_off"}
     assert res["step_costs"]["decode_ms"].keys() == {"1", "2"} and "3x1x4" in res["step_costs"]["spec_step_ms"]
-    # the pod model reads the run's own step costs and predicts its RL cells' rollouts (the GPU validation's path)
-    import pod_sim
+    # the pod model reads the run's own step costs and predicts its RL cells' rollouts (the GPU check's path)
+    import pod_model
 
-    assert pod_sim.main([f"--gpu_costs={out}#step_costs", f"--gpu_run={out}", f"--out={tmp_path / 'pod.json'}"]) == 0
+    assert pod_model.main([f"--gpu_costs={out}#step_costs", f"--gpu_run={out}", f"--out={tmp_path / 'pod.json'}"]) == 0
     pod = json.loads((tmp_path / "pod.json").read_text())
     assert set(pod["e2e_rollout"]) == {"off", "tlt"} and pod["e2e_rollout"]["off"]["predicted"] > 0
-    assert len(pod["sd_speedup"]) == 4
     print(f"smoke: {seconds:.0f} s")
 
 

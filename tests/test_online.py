@@ -54,9 +54,9 @@ def _assert_export_is_the_trained_drafter(workdir, step, start):
 
 def test_online_drafter_trains_on_a_bfloat16_rollout_copy(tmp_path):
     """TLT's layout: the engine decodes a bfloat16 copy of the float32 policy (rollout.dtype) and the drafter trains
-    online on that copy's hidden states (computed in bfloat16, as with a float32 copy). The RL metrics are those of the same run without online training
-    (lossless), the drafter trains, and a resumed run restores its buffer and state (the run's last step
-    equals the uninterrupted one's)."""
+    online on that copy's hidden states (computed in bfloat16, as with a float32 copy). The RL metrics are those of
+    the same run without online training (lossless), the drafter trains, and a resumed run restores its buffer and
+    state (the run's last step equals the uninterrupted one's)."""
     drafter = _tiny_drafter(_cfg("tiny.py"), tmp_path / "drafter")
     common = ("--config.train.num_steps=2", *QUIET, *TREE, f"--config.rollout.drafter_path={drafter}",
               "--config.rollout.dtype=bfloat16", "--config.checkpoint.every_steps=1")
