@@ -144,3 +144,25 @@ def test_tensor_parallel_sampling_keeps_the_vocabulary_split():
     assert _vocab_collectives(full, cfg.vocab_size // 2)
     with pytest.raises(ValueError, match="sampling_filters=False"):
         lean.generate(prompts, SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=2))
+
+
+def test_vocab_top_k_merges_each_devices_top_k_into_the_global_one():
+    """``vocab_top_k`` (the drafter's children, vocabulary split over tensor) equals ``jax.lax.top_k`` in values and
+    indices, ties to the lower index included, inside a sharded step and outside one; in the step it moves no
+    vocabulary-sized array."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from tlt_jax.distributed import with_activations
+    from tlt_jax.sampling import vocab_top_k
+
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=2), jax.devices()[:2])
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 6, size=(4, 3, 512)).astype(np.float32)  # many ties, across the two halves too
+    placed = jax.device_put(x, NamedSharding(mesh, PartitionSpec(None, None, "tensor")))
+    fn = jax.jit(with_activations(lambda a: vocab_top_k(a, 5), mesh, LogicalRules()))
+    want = jax.lax.top_k(x, 5)
+    for got in (fn(placed), vocab_top_k(x, 5)):
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    text = fn.lower(placed).compile().as_text()
+    assert not [s for s in COLLECTIVE.findall(text) if "512" in s or "256" in s], COLLECTIVE.findall(text)

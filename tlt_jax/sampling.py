@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.distributed.sharding import constrain
+from tlt_jax.distributed.sharding import activation_context, constrain
 
 NEG_INF = -jnp.inf
 
@@ -62,6 +62,30 @@ def _filtered(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arra
     keep_sorted = (mass_before < top_p) | (jnp.arange(v) == 0) | (top_p >= 1.0)  # p >= 1: off, even if mass rounds to 1
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     return jax.nn.log_softmax(jnp.where(scaled >= cutoff, scaled, NEG_INF), axis=-1)
+
+
+def vocab_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k`` over the last (vocabulary) axis. Inside a sharded step whose rules split the vocabulary over
+    ``tensor`` devices, each device takes the top k of its share (``jax.shard_map``) and only those candidates are
+    merged: the same values and indices (ties go to the lower index either way), where a top-k over the split axis
+    gathers the whole array (XLA:CPU) or reshards it by all-to-all (XLA for TPU)."""
+    ctx = activation_context()
+    if ctx is None:
+        return jax.lax.top_k(x, k)
+    mesh, rules = ctx
+    spec = rules.spec(("batch",) + (None,) * (x.ndim - 2) + ("vocab",), mesh, x.shape)
+    split = (spec[-1],) if isinstance(spec[-1], str) else tuple(spec[-1] or ())
+    tp = mesh.shape.get("tensor", 1)
+    if tp == 1 or split != ("tensor",) or k > x.shape[-1] // tp:
+        return jax.lax.top_k(x, k)
+
+    def share(a):  # this device's vocabulary share: its top k, indices into the whole vocabulary
+        val, idx = jax.lax.top_k(a, k)
+        return val, idx + jax.lax.axis_index("tensor") * a.shape[-1]
+
+    val, idx = jax.shard_map(share, mesh=mesh, in_specs=spec, out_specs=(spec, spec), check_vma=False)(x)
+    best, pos = jax.lax.top_k(val, k)  # [..., tp * k], shares in vocabulary order: ties to the lower index
+    return best, jnp.take_along_axis(idx, pos, axis=-1)
 
 
 def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.models.kv_cache import KVCache
-from tlt_jax.sampling import gumbel_noise
+from tlt_jax.sampling import gumbel_noise, vocab_top_k
 
 
 @jax.tree_util.register_dataclass
@@ -237,7 +237,7 @@ def _top_children(head, ids, sampling: DraftSampling | None, vocab_size: int, k:
     logits = head(h).astype(jnp.float32)
     if sampling is not None:
         logits = coupled_scores(logits, sampling, d, vocab_size, ids)
-    val, idx = jax.lax.top_k(logits, k)
+    val, idx = vocab_top_k(logits, k)
     lp = val - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     tok = idx if ids is None else jnp.take(ids, idx)
     return lp, tok.astype(jnp.int32)
