@@ -50,24 +50,14 @@ def main() -> None:
     ap.add_argument("--steps_without_idle", type=int, default=4)
     ap.add_argument("--tree", default="5x1x6", help="EAGLE tree of both runs (depth x topk x verify tokens)")
     ap.add_argument("--max_new_tokens", type=int, default=256)
-    ap.add_argument(
-        "--kl_coef",
-        type=float,
-        default=1e-3,
-        help="rl.kl_coef: > 0 keeps the starting policy as reference, so train/kl_loss measures the drift",
-    )
-    ap.add_argument(
-        "--modes",
-        default="static,adaptive",
-        help="static, adaptive, adaptive_hot (adaptive with drafter.hot_swap: needs --slices >= 2)",
-    )
+    ap.add_argument("--kl_coef", type=float, default=1e-3,
+                    help="rl.kl_coef: > 0 keeps the starting policy as reference, so train/kl_loss measures the drift")
+    ap.add_argument("--modes", default="static,adaptive",
+                    help="static, adaptive, adaptive_hot (adaptive with drafter.hot_swap: needs --slices >= 2)")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument(
-        "--workdir",
-        default=None,
-        help="default: a fresh temporary directory; an earlier run's resumes each mode from its last "
-        "checkpoint (a larger --steps continues the runs; wall_s then counts only the new steps)",
-    )
+    ap.add_argument("--workdir", default=None,
+                    help="default: a fresh temporary directory; an earlier run's resumes each mode from its last "
+                    "checkpoint (a larger --steps continues the runs; wall_s then counts only the new steps)")
     args = ap.parse_args()
 
     from tlt_jax.main import _enable_compilation_cache, run
@@ -76,34 +66,16 @@ def main() -> None:
     _enable_compilation_cache()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="drafter_adaptation-"))
     depth, topk, verify = (int(x) for x in args.tree.split("x"))
-    common = {
-        "train.num_steps": args.steps,
-        "optim.lr": args.lr,
-        "optim.warmup_steps": 0,
-        "rollout.max_new_tokens": args.max_new_tokens,
-        "rollout.speculative": "eagle",
-        "rollout.spec_arms": "",
-        "rollout.spec_depth": depth,
-        "rollout.spec_topk": topk,
-        "rollout.spec_verify_tokens": verify,
-        "rollout.drafter_path": str(DRAFTER),
-        "rl.kl_coef": args.kl_coef,
-        "eval.every_steps": 0,
-        "eval.at_start": False,
-        "checkpoint.every_steps": 1000,
-        "metrics.progress_bars": False,
-        "metrics.tensorboard": False,
-    }
-    online = {
-        "drafter.online": True,
-        "drafter.lr": args.drafter_lr,
-        "drafter.steps_without_idle": args.steps_without_idle,
-    }
-    known = {
-        "static": {"drafter.online": False},
-        "adaptive": online,
-        "adaptive_hot": {**online, "drafter.hot_swap": True},
-    }
+    common = {"train.num_steps": args.steps, "optim.lr": args.lr, "optim.warmup_steps": 0,
+              "rollout.max_new_tokens": args.max_new_tokens, "rollout.speculative": "eagle", "rollout.spec_arms": "",
+              "rollout.spec_depth": depth, "rollout.spec_topk": topk, "rollout.spec_verify_tokens": verify,
+              "rollout.drafter_path": str(DRAFTER), "rl.kl_coef": args.kl_coef, "eval.every_steps": 0,
+              "eval.at_start": False, "checkpoint.every_steps": 1000, "metrics.progress_bars": False,
+              "metrics.tensorboard": False}
+    online = {"drafter.online": True, "drafter.lr": args.drafter_lr,
+              "drafter.steps_without_idle": args.steps_without_idle}
+    known = {"static": {"drafter.online": False}, "adaptive": online,
+             "adaptive_hot": {**online, "drafter.hot_swap": True}}
     names = args.modes.split(",")
     if "static" not in names or any(n not in known for n in names):
         raise SystemExit(f"--modes: a comma list of {sorted(known)} including static, got {args.modes!r}")
@@ -133,9 +105,7 @@ def main() -> None:
             "overhang_s": [r.get("controller/overhang_s") for r in rows],
             "tail_s": [r["time/tail_s"] for r in rows],
             "kl_to_start": [r.get("train/kl_loss") for r in rows],
-            "final_eval": {k.removeprefix("eval/"): final[0].get(k) for k in ("eval/accuracy", "eval/accept_length")}
-            if final
-            else None,
+            "final_eval": {k: final[0].get(f"eval/{k}") for k in ("accuracy", "accept_length")} if final else None,
             "wall_s": time.perf_counter() - t0,
         }
     s = out["modes"]["static"]
@@ -143,17 +113,12 @@ def main() -> None:
     # Same samples: per step, the response lengths of every run (lengths.jsonl) and the rewards. Verification is
     # lossless, but sampled tokens are a function of the policy's fp32 logits, which differ in the last bits between
     # verify-tree and plain-step shapes: a near-tie can flip one sample (greedy runs stay identical).
-    lengths = {
-        n: [json.loads(x)["lengths"] for x in (root / n / "lengths.jsonl").read_text().splitlines()] for n in names
-    }
+    lengths = {n: [json.loads(x)["lengths"] for x in (root / n / "lengths.jsonl").read_text().splitlines()]
+               for n in names}
     out["steps_with_other_samples"] = [
-        k + 1
-        for k in range(len(s["reward_mean"]))
-        if any(
+        k + 1 for k in range(len(s["reward_mean"])) if any(
             lengths[n][k] != lengths["static"][k] or m["reward_mean"][k] != s["reward_mean"][k]
-            for n, m in out["modes"].items()
-        )
-    ]
+            for n, m in out["modes"].items())]
     out["same_rollouts"] = not out["steps_with_other_samples"]
     for name, m in out["modes"].items():
         if name != "static":
@@ -180,10 +145,8 @@ def main() -> None:
     for k in range(len(s["accept_length"])):
         cells = "  ".join(f"{n} {m['accept_length'][k]:.2f}" for n, m in out["modes"].items())
         kl = s["kl_to_start"][k]
-        print(
-            f"step {k + 1}: accept {cells}  reward {s['reward_mean'][k]:.3f}"
-            + (f"  KL to start {kl:.4f}" if kl is not None else "")
-        )
+        print(f"step {k + 1}: accept {cells}  reward {s['reward_mean'][k]:.3f}"
+              + (f"  KL to start {kl:.4f}" if kl is not None else ""))
     for n in trained:
         m = out["modes"][n]
         crit = sorted(c for c in m["critical_s"] if c is not None)
@@ -191,20 +154,14 @@ def main() -> None:
             print(f"{n}: drafter work on the critical path, median {m['critical_s_median']:.3f} s per RL step "
                   f"(max {crit[-1]:.3f}); one drafter step {m['drafter_step_s']:.3f} s; drafter steps per slice "
                   f"{[sum(col) for col in zip(*m['drafter_steps_per_slice'], strict=True)]}")
-        print(
-            f"{n} / static accept: last step {m['ratio_last']:.2f}, second half {m['ratio_second_half']:.2f}; "
-            f"drafter {sum(m['drafter_train_s']):.1f} s over the run"
-        )
+        print(f"{n} / static accept: last step {m['ratio_last']:.2f}, second half {m['ratio_second_half']:.2f}; "
+              f"drafter {sum(m['drafter_train_s']):.1f} s over the run")
         if "ratio_final_eval" in m:
-            print(
-                f"{n} / static accept on the held-out prompts (final greedy evaluation, step "
-                f"{len(s['accept_length'])}): {m['final_eval']['accept_length']:.2f} / "
-                f"{s['final_eval']['accept_length']:.2f} = {m['ratio_final_eval']:.2f}"
-            )
-    print(
-        f"same rollouts: {out['same_rollouts']} (steps whose samples differ between runs: "
-        f"{out['steps_with_other_samples'] or 'none'}); {args.out}"
-    )
+            print(f"{n} / static accept on the held-out prompts (final greedy evaluation, step "
+                  f"{len(s['accept_length'])}): {m['final_eval']['accept_length']:.2f} / "
+                  f"{s['final_eval']['accept_length']:.2f} = {m['ratio_final_eval']:.2f}")
+    print(f"same rollouts: {out['same_rollouts']} (steps whose samples differ between runs: "
+          f"{out['steps_with_other_samples'] or 'none'}); {args.out}")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,8 @@ decoded, so every mode samples the same tokens: the script asserts identical rew
 - ``tlt``: the adaptive engine and the drafter trained online on the policy's rollouts (``drafter.online``).
 - ``config``: the config file as it is (configs/gsm8k.py is ``tlt``).
 
-Modes run one after the other, so a drift in the machine's speed lands in their ratios; ``--repeats N`` runs every
-mode N times, alternating the order (A B, B A, ...), and reports each mode's ratios to "off" per repeat (the two ran
-next to each other) and from each step's fastest rollout over the repeats (every repeat decodes the same tokens).
+Modes run one after the other, so a drift in the machine's speed lands in their ratios (``--repeats``, alternating
+their order, is in this script at commit ff7a568); ``--paired`` cancels it.
 
 ``--paired MODE`` runs one training run instead, in which every rollout is decoded twice, back to back, on the same
 policy weights, prompts and seed: once by an "off" engine and once by MODE's engine (off / ngram / static / adaptive /
@@ -27,7 +26,6 @@ first, outside both timings, and reported ("drain"); checkpoints are written syn
 would overlap the next step's first rollout, always the same engine's at a given step).
 
     python benchmarks/e2e_step.py --configs gsm8k --modes off,static,tlt --steps 6   # the default run's table
-    python benchmarks/e2e_step.py --configs gsm8k --modes off,adaptive --steps 8 --repeats 3
     python benchmarks/e2e_step.py --configs tiny --steps 10 --modes off,ngram
     python benchmarks/e2e_step.py --configs gsm8k --paired adaptive --steps 12
 """
@@ -41,7 +39,6 @@ import math
 import os
 import platform
 import random
-import resource
 import statistics
 import sys
 import tempfile
@@ -76,6 +73,17 @@ def load_config(name: str, overrides: dict):
     return from_config_dict(cd)
 
 
+def parse_sets(items: list[str]) -> dict:
+    """--set KEY=VALUE overrides: a JSON value (numbers, true / false) where VALUE parses as one, else the string."""
+    out = {}
+    for key, value in (kv.split("=", 1) for kv in items):
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def summarise(rows: list[dict]) -> dict:
     def med(key, rs):
         vals = [r[key] for r in rs if key in r]
@@ -86,23 +94,14 @@ def summarise(rows: list[dict]) -> dict:
     # Steps differ in length (responses shorten or grow as the policy learns), so modes compare best on sums over
     # the same steps; compile seconds (new batch / length / arm shapes met mid-run) are inside the rollout seconds;
     # background compiles (the adaptive engine's new verify steps) ran beside the rollout, which did not wait for them.
-    out["steady_sum"] = {
-        k: sum(r.get(k) or 0.0 for r in steady) for k in (*PHASES, "rollout/compile_s", "rollout/background_compile_s")
-    }
+    out["steady_sum"] = {k: sum(r.get(k) or 0.0 for r in steady)
+                         for k in (*PHASES, "rollout/compile_s", "rollout/background_compile_s")}
     s = out["steady_median"]
-    total = s["time/step_s"] or 1.0
-    out["steady_share"] = {
-        "rollout": s["time/rollout_s"] / total,
-        "rollout_tail": s["time/tail_s"] / total,
-        "logprob": s["time/logprob_s"] / total,
-        "reward": s["time/reward_s"] / total,
-        "update": s["time/train_s"] / total,
-    }
+    names = dict(rollout="rollout_s", rollout_tail="tail_s", logprob="logprob_s", reward="reward_s", update="train_s")
+    out["steady_share"] = {k: s[f"time/{v}"] / (s["time/step_s"] or 1.0) for k, v in names.items()}
     out["rollout_tail_share"] = med("rollout/tail_share", steady)
     out["rollout_tokens_per_s"] = med("rollout/tokens_per_s", steady)
-    out["response_len_p50_p90_max"] = [
-        med(k, steady) for k in ("response/len_p50", "response/len_p90", "response/len_max")
-    ]
+    out["response_len_p50_p90_max"] = [med(f"response/len_{k}", steady) for k in ("p50", "p90", "max")]
     return out
 
 
@@ -126,41 +125,52 @@ def mode_overrides(mode: str, arms: str, drafter: str, static_tree: str) -> dict
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def run_main(cfg, build_engine):
+    """The main job on ``cfg`` in a scratch workdir, engines built by ``build_engine(build, cfg, model, mesh, data,
+    workdir)`` (``build``: the main job's own): (final metrics, wall seconds, train rows, response lengths by step)."""
+    import tlt_jax.main as main_mod
+    from tlt_jax.metrics import read_metrics
+    from tlt_jax.metrics.records import LENGTHS_FILE
+
+    build = main_mod.build_engine
+    main_mod.build_engine = lambda *a, **k: build_engine(build, *a, **k)
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            t0 = time.perf_counter()
+            final = main_mod.run(cfg, workdir)
+            wall = time.perf_counter() - t0
+            rows = [r for r in read_metrics(workdir) if r["kind"] == "train"]
+            lines = Path(workdir, LENGTHS_FILE).read_text().splitlines()
+    finally:
+        main_mod.build_engine = build
+    return final, wall, rows, {d["step"]: d["lengths"] for d in map(json.loads, lines)}
+
+
 def bench(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, drafter: str = SHIPPED,
           static_tree: str = "5x1x6", extra: dict | None = None) -> dict:
-    from tlt_jax.main import run
-    from tlt_jax.metrics import read_metrics
+    """One run of the main job in a scratch workdir: its per-step metrics, every response's length per step
+    (``lengths``) and the engine's shape (``engine``: prompt_len, the mean; max_batch, max_len)."""
+    overrides = {**OVERRIDES.get(name, {}), **mode_overrides(mode, arms, drafter, static_tree),
+                 "train.num_steps": steps, "metrics.progress_bars": False, "eval.at_start": False, **(extra or {})}
+    cfg, seen = load_config(name, overrides), {}
 
-    overrides = {
-        **OVERRIDES.get(name, {}),
-        **mode_overrides(mode, arms, drafter, static_tree),
-        "train.num_steps": steps,
-        "metrics.progress_bars": False,
-        "eval.at_start": False,
-        **(extra or {}),
-    }
-    cfg = load_config(name, overrides)
-    with tempfile.TemporaryDirectory() as workdir:
-        t0 = time.perf_counter()
-        final = run(cfg, workdir)
-        wall = time.perf_counter() - t0
-        rows = [r for r in read_metrics(workdir) if r["kind"] == "train"]
+    def build_and_note(build, cfg_, model, mesh, data, workdir=None):
+        engine = build(cfg_, model, mesh, data, workdir)
+        one = getattr(getattr(engine, "rollout", None), "engines", [engine])[0]  # a controlled rollout's slice
+        seen.update(prompt_len=statistics.mean(len(ex["prompt_ids"]) for ex in data.train), max_batch=one.max_batch,
+                    max_len=one.max_len)
+        return engine
+
+    final, wall, rows, lengths = run_main(cfg, build_and_note)
     res = summarise(rows)
-    res.update(
-        config=f"configs/{name}.py",
-        overrides=overrides,
-        steps=steps,
-        prompts_x_samples=[cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt],
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        wall_s_including_setup_and_final_eval=wall,
-        final_eval_s=final.get("eval/seconds"),
-        speculative=mode,
-        accept_length_per_step=[r.get("rollout/accept_length") for r in rows],
-        reward_per_step=[r.get("reward/mean") for r in rows],
-        per_step=[
-            {k: r.get(k) for k in (*PHASES, *STEP_EXTRAS)} for r in rows
-        ],
-    )
+    res.update(config=f"configs/{name}.py", overrides=overrides, steps=steps,
+               prompts_x_samples=[cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt],
+               max_new_tokens=cfg.rollout.max_new_tokens, wall_s_including_setup_and_final_eval=wall,
+               final_eval_s=final.get("eval/seconds"), speculative=mode,
+               accept_length_per_step=[r.get("rollout/accept_length") for r in rows],
+               reward_per_step=[r.get("reward/mean") for r in rows],
+               per_step=[{k: r.get(k) for k in ("step", *PHASES, *STEP_EXTRAS)} for r in rows],
+               lengths=[lengths.get(r["step"], []) for r in rows], engine=seen, group=cfg.rollout.samples_per_prompt)
     return res
 
 
@@ -169,51 +179,20 @@ STEP_EXTRAS = ("rollout/tail_share", "rollout/compile_s", "rollout/background_co
                "reward/accuracy", "response/len_max")
 
 
-def repeat_record(res: dict) -> dict:
-    """What one repeat of a mode keeps: its sums over the steady steps and each step's rollout seconds."""
-    return {
-        "steady_sum": res["steady_sum"],
-        "rollout_s_per_step": [r["time/rollout_s"] for r in res["per_step"]],
-        "compile_s_per_step": [r["rollout/compile_s"] or 0.0 for r in res["per_step"]],
-        "background_compile_s_per_step": [r.get("rollout/background_compile_s") or 0.0 for r in res["per_step"]],
-        "accept_length_per_step": res["accept_length_per_step"],
-        "wall_s_including_setup_and_final_eval": res["wall_s_including_setup_and_final_eval"],
-    }
-
-
-def compare_to_off(off: list[dict], runs: list[dict]) -> dict:
-    """Steady-step ratios of a mode against "off": per repeat (the two ran next to each other) and from each step's
-    fastest rollout over the repeats (every repeat decodes the same tokens, so machine noise mostly adds seconds)."""
-    def sums(res):
-        s = res["steady_sum"]
-        return s["time/step_s"], s["time/rollout_s"], s["time/rollout_s"] - s["rollout/compile_s"]
-
-    def fastest(rs, compile_too):
-        steps = [r["per_step"][1:] for r in rs]  # steady steps
-        return sum(min(r[i]["time/rollout_s"] - (0.0 if compile_too else (r[i]["rollout/compile_s"] or 0.0))
-                       for r in steps) for i in range(len(steps[0])))
-
-    pairs = [(sums(o), sums(r)) for o, r in zip(off, runs, strict=True)]
-    step = [o[0] / r[0] for o, r in pairs]
-    roll = [o[1] / r[1] for o, r in pairs]
-    roll_nc = [o[2] / r[2] for o, r in pairs]
-    return {
-        "steady_step_speedup_vs_off": step[0],
-        "steady_rollout_speedup_vs_off": roll[0],
-        "steady_rollout_speedup_vs_off_without_compile": roll_nc[0],
-        "paired_step_speedup_vs_off": step,
-        "paired_rollout_speedup_vs_off": roll,
-        "paired_rollout_speedup_vs_off_without_compile": roll_nc,
-        "paired_rollout_speedup_vs_off_median": statistics.median(roll),
-        "min_rollout_speedup_vs_off": fastest(off, True) / fastest(runs, True),
-        "min_rollout_speedup_vs_off_without_compile": fastest(off, False) / fastest(runs, False),
-    }
+def compare_to_off(off: dict, res: dict) -> dict:
+    """Steady-step ratios of a mode against "off" (sums over the same steps: every mode samples the same tokens)."""
+    o, r = off["steady_sum"], res["steady_sum"]
+    return {"steady_step_speedup_vs_off": o["time/step_s"] / r["time/step_s"],
+            "steady_rollout_speedup_vs_off": o["time/rollout_s"] / r["time/rollout_s"],
+            "steady_rollout_speedup_vs_off_without_compile":
+                (o["time/rollout_s"] - o["rollout/compile_s"]) / (r["time/rollout_s"] - r["rollout/compile_s"])}
 
 
 class PairedRollout:
     """Benchmark harness (``--paired``): decodes every rollout with both engines, on the same weights, prompts and
     seed, alternating which goes first; checks the tokens are the same; returns ``other``'s result. With ``chunks``
-    each call's record keeps both engines' host round trips (``CHUNK_KEYS`` of ``stats["chunks"]``)."""
+    each call's record keeps both engines' host round trips (``CHUNK_KEYS`` of ``stats["chunks"]``; at commit
+    ff7a568 this script also summarised them: ``steady_chunk_split``)."""
 
     CHUNK_KEYS = ("batch", "active", "length", "choice", "seconds", "tokens", "lag_tokens", "steps", "first_run",
                   "compile_overlap", "catchup_seconds", "waited_for")
@@ -240,6 +219,12 @@ class PairedRollout:
 
     def load_state_dict(self, state: dict) -> None:
         self.other.load_state_dict(state)
+
+    def history_state(self):
+        return self.other.history_state()
+
+    def load_history_state(self, state) -> None:
+        self.other.load_history_state(state)
 
     def close(self) -> None:
         self.base.close()
@@ -284,15 +269,11 @@ class PairedRollout:
                 jax.block_until_ready((engine.params, engine.drafter_params))  # updates still in flight
             jax.block_until_ready(jax.live_arrays())  # and any other computation still running
             rec[f"{name}_drain_s"] = time.perf_counter() - t
-            threads = thread_cpu_seconds()
-            t, ru = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+            threads, t = thread_cpu_seconds(), time.perf_counter()
             own = kwargs if name == "other" else {k: v for k, v in kwargs.items() if k != "on_chunk"}  # its callback
             results[name] = getattr(self, name).generate(prompts, params, **own)
             rec[f"{name}_s"] = time.perf_counter() - t
-            ru2 = resource.getrusage(resource.RUSAGE_SELF)  # page faults and CPU seconds of the whole process
-            rec[f"{name}_minflt"] = ru2.ru_minflt - ru.ru_minflt
-            rec[f"{name}_cpu_s"] = ru2.ru_utime + ru2.ru_stime - ru.ru_utime - ru.ru_stime
-            after = thread_cpu_seconds()  # which threads spent them
+            after = thread_cpu_seconds()  # which threads spent CPU seconds meanwhile
             rec[f"{name}_thread_cpu_s"] = {k: round(v - threads.get(k, 0.0), 3) for k, v in after.items()
                                            if v - threads.get(k, 0.0) >= 0.005}
             st = results[name].stats
@@ -335,8 +316,6 @@ class PairedSlice(PairedRollout):
 def bench_paired(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, drafter: str = SHIPPED,
                  static_tree: str = "5x1x6", extra: dict | None = None, chunks: bool = False) -> dict:
     """One training run of ``mode`` whose every rollout is also decoded by an "off" engine (``PairedRollout``)."""
-    import tlt_jax.main as main_mod
-
     if mode not in ("off", "ngram", "static", "adaptive", "tlt"):
         raise ValueError(f"--paired takes off, ngram, static, adaptive or tlt, got {mode!r}")
     # checkpoints are written synchronously here: an asynchronous write would run beside the next step's first
@@ -345,10 +324,9 @@ def bench_paired(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, dr
               "eval.at_start": False, "checkpoint.async_save": False, **(extra or {})}
     cfg_off = load_config(name, {**common, **mode_overrides("off", arms, drafter, static_tree)})
     cfg = load_config(name, {**common, **mode_overrides(mode, arms, drafter, static_tree)})
-    build = main_mod.build_engine
     paired: list[PairedRollout] = []
 
-    def build_both(cfg_, model, mesh, data, workdir=None):
+    def build_both(build, cfg_, model, mesh, data, workdir=None):
         engines = build(cfg_off, model, mesh, data), build(cfg_, model, mesh, data, workdir)
         slices = getattr(getattr(engines[1], "rollout", None), "engines", None)
         if slices is not None and len(slices) == 1 and hasattr(engines[0], "pool"):
@@ -362,14 +340,7 @@ def bench_paired(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, dr
         paired.append(PairedRollout(*engines, chunks=chunks))
         return paired[-1]
 
-    main_mod.build_engine = build_both
-    try:
-        with tempfile.TemporaryDirectory() as workdir:
-            t0 = time.perf_counter()
-            main_mod.run(cfg, workdir)
-            wall = time.perf_counter() - t0
-    finally:
-        main_mod.build_engine = build
+    wall = run_main(cfg, build_both)[1]
     calls = paired[0].calls[:steps]  # the training rollouts (the final evaluation's calls come after)
     return {"config": f"configs/{name}.py", "mode": mode, "steps": steps, "wall_s": wall, "per_step": calls,
             "evaluation_calls": len(paired[0].calls) - len(calls), **summarise_paired(calls[1:])}
@@ -396,50 +367,17 @@ def summarise_paired(steady: list[dict]) -> dict:
     # A 90 % bootstrap interval of the sum ratio over the steps (resampled with a fixed seed): steps are the unit
     # of noise here, not runs.
     rng = random.Random(0)
-    boot = sorted(
-        total("base_s", sample) / total("other_s", sample)
-        for sample in ([rng.choice(steady) for _ in steady] for _ in range(2000))
-    )
-    # With --chunks: decode seconds and tokens per engine, batch bucket and arm, and the part of them in round trips
-    # that ran a step for the first time or beside a background compile (what the bandit does not observe).
-    split = {}
-    for name in ("base", "other"):
-        for c in (x for rec in steady for x in rec.get(f"{name}_chunks", ())):
-            d = split.setdefault(name, {}).setdefault(str(c["batch"]), {}).setdefault(
-                c["choice"], dict(seconds=0.0, tokens=0, chunks=0, unobserved_seconds=0.0))
-            d["seconds"] += c["seconds"]
-            d["tokens"] += c["tokens"]
-            d["chunks"] += 1
-            d["unobserved_seconds"] += c["seconds"] if c["first_run"] or c.get("compile_overlap") else 0.0
-    # ... and what those round trips cost beyond the same engine's other round trips of their bucket and arm (at the
-    # others' seconds per token): beside a background compile, and a step's first run
-    rate, excess = {}, {"compile_overlap": 0.0, "first_run": 0.0}
-    for name in ("base", "other"):
-        for c in (x for rec in steady for x in rec.get(f"{name}_chunks", ())):
-            if not (c["first_run"] or c.get("compile_overlap")):
-                r = rate.setdefault((name, c["batch"], c["choice"]), [0.0, 0])
-                r[0] += c["seconds"]
-                r[1] += c["tokens"]
-    for c in (x for rec in steady for x in rec.get("other_chunks", ())):
-        r = rate.get(("other", c["batch"], c["choice"]))
-        if r and r[1] and (c["first_run"] or c.get("compile_overlap")):
-            excess["first_run" if c["first_run"] else "compile_overlap"] += c["seconds"] - c["tokens"] * r[0] / r[1]
+    boot = sorted(total("base_s", sample) / total("other_s", sample)
+                  for sample in ([rng.choice(steady) for _ in steady] for _ in range(2000)))
+    per_step = [c["base_s"] / c["other_s"] for c in steady]
     return {
-        **({"steady_chunk_split": split, "steady_mode_unobserved_excess_s": excess} if split else {}),
-        "steady_steps": len(steady),
-        "steady_off_s": off_s,
-        "steady_mode_s": mode_s,
-        "steady_speedup_vs_off": off_s / mode_s,
-        "steady_speedup_vs_off_without_compile": off_nc / mode_nc,
-        "steady_per_step_speedup": [c["base_s"] / c["other_s"] for c in steady],
-        "steady_per_step_speedup_median": statistics.median(c["base_s"] / c["other_s"] for c in steady),
-        "steady_speedup_vs_off_off_first": by_order["base"],
-        "steady_speedup_vs_off_mode_first": by_order["other"],
-        "steady_speedup_vs_off_crossover": crossover,
-        "steady_speedup_vs_off_bootstrap_90": [boot[100], boot[1899]],
+        "steady_steps": len(steady), "steady_off_s": off_s, "steady_mode_s": mode_s,
+        "steady_speedup_vs_off": off_s / mode_s, "steady_speedup_vs_off_without_compile": off_nc / mode_nc,
+        "steady_per_step_speedup": per_step, "steady_per_step_speedup_median": statistics.median(per_step),
+        "steady_speedup_vs_off_off_first": by_order["base"], "steady_speedup_vs_off_mode_first": by_order["other"],
+        "steady_speedup_vs_off_crossover": crossover, "steady_speedup_vs_off_bootstrap_90": [boot[100], boot[1899]],
         "steady_steps_mode_faster": sum(c["other_s"] < c["base_s"] for c in steady),
-        "steady_background_compile_s": total("other_background_compile_s"),
-        "steady_drain_s": drain,
+        "steady_background_compile_s": total("other_background_compile_s"), "steady_drain_s": drain,
         # every drain (leftover compiles, updates in flight) charged to the mode, as if it had waited for them
         "steady_speedup_vs_off_drain_charged": off_s / (mode_s + drain),
         # CPU seconds of XLA's compile threads and the pool's worker between pairs (beside the policy update)
@@ -458,8 +396,7 @@ def combine_paired(paths: list[str], skip_steps: tuple[int, ...] = ()) -> dict:
         res = [r[name]["paired"] for r in runs]
         mode = "+".join(dict.fromkeys(r["mode"] for r in res))
         steady = [c for r in res for i, c in enumerate(r["per_step"][1:], 2) if i not in skip_steps]
-        out[name] = {"mode": mode, "files": paths, "skipped_steps": list(skip_steps),
-                     **summarise_paired(steady)}
+        out[name] = {"mode": mode, "files": paths, "skipped_steps": list(skip_steps), **summarise_paired(steady)}
     return out
 
 
@@ -475,10 +412,6 @@ def print_paired(name: str, mode: str, res: dict) -> None:
           f"{res['steady_background_compile_s']:.1f} s, drained before a timed rollout "
           f"{res['steady_drain_s']:.1f} s ({res['steady_speedup_vs_off_drain_charged']:.3f}x charged to {mode}); "
           f"compile CPU between pairs {res['steady_between_compile_cpu_s']:.1f} s", flush=True)
-    excess = res.get("steady_mode_unobserved_excess_s")
-    if excess:
-        print(f"{name}: {mode}'s round trips beside a background compile took {excess['compile_overlap']:+.2f} s and "
-              f"first runs {excess['first_run']:+.2f} s more than its others of the same bucket and arm", flush=True)
 
 
 def main():
@@ -490,8 +423,6 @@ def main():
     ap.add_argument("--drafter", default=SHIPPED, help="EAGLE drafter of static / adaptive / tlt (name or dir)")
     ap.add_argument("--static_tree", default="5x1x6", help="tree of mode static (depth x topk x verify tokens)")
     ap.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="run every mode this many times, alternating the order, and pair the ratios per repeat")
     ap.add_argument("--paired", default="",
                     help="one run of this mode with every rollout also decoded by an off engine, step by step")
     ap.add_argument("--combine", default="",
@@ -502,32 +433,16 @@ def main():
                     help="with --combine: comma-separated step numbers to leave out (e.g. 5,9)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    if args.repeats < 1:
-        ap.error(f"--repeats must be >= 1, got {args.repeats}")
 
     import jax
 
     from tlt_jax.main import _enable_compilation_cache
 
     _enable_compilation_cache()
-    results = {
-        "benchmark": "e2e_step",
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "devices": jax.device_count(),
-            "device_kind": jax.devices()[0].device_kind,
-        },
-        "configs": {},
-    }
-    extra = {}
-    for kv in args.set:
-        key, value = kv.split("=", 1)
-        try:
-            extra[key] = json.loads(value)  # numbers, true / false
-        except json.JSONDecodeError:
-            extra[key] = value
-    results["extra_overrides"] = extra
+    results = {"benchmark": "e2e_step", "configs": {}, "machine": {
+        "platform": platform.platform(), "cpu_count": os.cpu_count(), "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind}}
+    results["extra_overrides"] = extra = parse_sets(args.set)
     if args.combine:
         skip = tuple(int(x) for x in args.skip_steps.split(",") if x.strip())
         results["combined"] = combine_paired(args.combine.split(","), skip)
@@ -551,45 +466,27 @@ def main():
         print(f"wrote {args.out}")
         return
     for name in args.configs.split(","):
-        modes_list = args.modes.split(",")
-        runs: dict[str, list[dict]] = {m: [] for m in modes_list}
-        for rep in range(args.repeats):
-            # Alternate the order (A B, B A, ...) so a drift in the machine's speed lands on both sides.
-            for mode in modes_list if rep % 2 == 0 else modes_list[::-1]:
-                res = bench(name, args.steps or DEFAULT_STEPS.get(name, 2), mode, args.spec_arms, args.drafter,
-                            args.static_tree, extra)
-                runs[mode].append(res)
-                s, ss = res["steady_median"], res["steady_sum"]
-                print(
-                    f"{name} (SD {mode}, repeat {rep + 1}/{args.repeats}): steady step {s['time/step_s']:.2f} s = "
-                    f"rollout {s['time/rollout_s']:.2f} (tail {s['time/tail_s']:.2f}) + logprob "
-                    f"{s['time/logprob_s']:.2f} + reward {s['time/reward_s']:.2f} + update {s['time/train_s']:.2f}; "
-                    f"first step {res['first_step']['time/step_s']:.2f} s; steady rollout sum "
-                    f"{ss['time/rollout_s']:.2f} s (compile {ss['rollout/compile_s']:.2f}, in the background "
-                    f"{ss['rollout/background_compile_s']:.2f}); "
-                    f"{res['rollout_tokens_per_s']:.1f} rollout tok/s; accept lengths {res['accept_length_per_step']}",
-                    flush=True,
-                )
         modes = results["configs"].setdefault(name, {})
-        for mode, rs in runs.items():
-            modes[mode] = {**rs[0], "repeats": [repeat_record(r) for r in rs]}
-        rewards = {f"{m}#{i}": r["reward_per_step"] for m, rs in runs.items() for i, r in enumerate(rs)}
+        for mode in args.modes.split(","):
+            modes[mode] = res = bench(name, args.steps or DEFAULT_STEPS.get(name, 2), mode, args.spec_arms,
+                                      args.drafter, args.static_tree, extra)
+            s, ss = res["steady_median"], res["steady_sum"]
+            print(f"{name} (SD {mode}): steady step {s['time/step_s']:.2f} s = rollout {s['time/rollout_s']:.2f} "
+                  f"(tail {s['time/tail_s']:.2f}) + logprob {s['time/logprob_s']:.2f} + reward "
+                  f"{s['time/reward_s']:.2f} + update {s['time/train_s']:.2f}; first step "
+                  f"{res['first_step']['time/step_s']:.2f} s; steady rollout sum {ss['time/rollout_s']:.2f} s (compile "
+                  f"{ss['rollout/compile_s']:.2f}, in the background {ss['rollout/background_compile_s']:.2f}); "
+                  f"{res['rollout_tokens_per_s']:.1f} rollout tok/s; accept lengths {res['accept_length_per_step']}",
+                  flush=True)
+        rewards = {m: r["reward_per_step"] for m, r in modes.items()}
         same = all(v == next(iter(rewards.values())) for v in rewards.values())
+        for mode in modes if "off" in modes else ():
+            modes[mode].update(compare_to_off(modes["off"], modes[mode]))
+            c = modes[mode]
+            print(f"{name}: {mode} vs off, steady step {c['steady_step_speedup_vs_off']:.3f}x, rollout "
+                  f"{c['steady_rollout_speedup_vs_off']:.3f}x (without compile "
+                  f"{c['steady_rollout_speedup_vs_off_without_compile']:.3f}x)", flush=True)
         modes["_rewards_identical_across_modes"] = same
-        if "off" in runs:
-            for mode, rs in runs.items():
-                modes[mode].update(compare_to_off(runs["off"], rs))
-                if mode != "off":
-                    c = modes[mode]
-                    print(
-                        f"{name}: {mode} vs off, steady rollout: paired per repeat "
-                        f"{[round(x, 3) for x in c['paired_rollout_speedup_vs_off']]} (median "
-                        f"{c['paired_rollout_speedup_vs_off_median']:.3f}; without compile "
-                        f"{[round(x, 3) for x in c['paired_rollout_speedup_vs_off_without_compile']]}); "
-                        f"per-step fastest over repeats {c['min_rollout_speedup_vs_off']:.3f} (without compile "
-                        f"{c['min_rollout_speedup_vs_off_without_compile']:.3f})",
-                        flush=True,
-                    )
         print(f"{name}: rewards identical across modes: {same}", flush=True)
         if not same:
             raise AssertionError(f"{name}: the modes sampled different rewards per step: {rewards}")

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_suite.py                  # one H100/H200, <= 8 minutes: benchmarks/results/gpu/suite.json
     python benchmarks/gpu_suite.py --smoke --out /tmp/suite.json   # the same code on CPU, tiny shapes
+    python benchmarks/gpu_suite.py --compile_only=h100 --out=FILE  # no GPU: the decode programs' HLO traffic
 
 Random weights of real shapes (nothing downloaded), bf16 (fp32 in --smoke). Sections, in priority order (a section
 that would start after --time_budget_s is skipped and listed; the JSON is rewritten after every section):
@@ -21,6 +22,9 @@ that would start after --time_budget_s is skipped and listed; the JSON is rewrit
 - ``plan``: ``python -m tlt_jax.plan``'s CPU estimate of a bf16 rollout's decode / verify temporaries (from a float32
   copy's compile; ``configs/gsm8k.py``, SmolLM2 shape, one device; tiny_tlt in --smoke) against this GPU's own
   compile of the same steps (``plan_gpu_over_estimate``: above 1 means the estimate is low), and XLA:CPU's figures.
+
+``--compile_only=h100`` runs none of these: it compiles the engine's decode and verify programs for a compile-only
+H100 on the CPU and reports the bytes they move against the bytes they must (``gpu_compile_only.py``).
 """
 
 from __future__ import annotations
@@ -263,7 +267,14 @@ def main(argv=None) -> int:
     ap.add_argument("--time_budget_s", type=float, default=420.0, help="start no section after this many seconds")
     ap.add_argument("--sections", default="matmul,decode,prefill,engine_bs1,tail,engine_bs1_stacked,plan",
                     help="in order; engine_bs1 times the unstacked engine, engine_bs1_stacked the stacked one")
+    ap.add_argument("--compile_only", default="", choices=("", "h100", "h200"),
+                    help="no GPU: compile the decode programs for this GPU and report their HLO traffic")
+    ap.add_argument("--programs", default="", help="with --compile_only: a comma-separated subset")
+    ap.add_argument("--xla_option", action="append", default=[], metavar="NAME=VALUE",
+                    help="with --compile_only: an XLA compiler option of every compile (repeatable)")
     args = ap.parse_args(argv)
+    if args.compile_only:
+        return compile_only_main(args, argv)
     s = shapes(args.smoke)
     start = time.perf_counter()
     kind = jax.devices()[0].device_kind
@@ -307,6 +318,24 @@ def main(argv=None) -> int:
         write()
     write()
     print(json.dumps({k: out[k] for k in (*headline(out), "skipped", "errors", "seconds")}, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+def compile_only_main(args, argv) -> int:
+    """``--compile_only``: the programs' traffic report (``gpu_compile_only.run``) into ``--out``."""
+    import gpu_compile_only
+
+    options = dict(o.split("=", 1) for o in args.xla_option)
+    options = {k: {"true": True, "false": False}.get(v.lower(), v) for k, v in options.items()}
+    only = tuple(p for p in args.programs.split(",") if p)
+    shapes = {"qwen2.5-7b": QWEN_7B, "qwen2.5-0.5b": QWEN_05B, "smoke": SMOKE_LM}
+    out = gpu_compile_only.run(args.compile_only, shapes, smoke=args.smoke, only=only, options=options)
+    out["command"] = "python benchmarks/gpu_suite.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out["goals"]))
     print(f"wrote {path}")
     return 0
 

@@ -9,12 +9,7 @@ precision, where the engine's tokens are expected to be identical.
 
 from __future__ import annotations
 
-import inspect
-import json
-import os
 import statistics
-import tempfile
-import time
 from pathlib import Path
 
 import e2e_step as e2e
@@ -32,13 +27,8 @@ def temp_key(temperature: float) -> str:
 
 
 def layers_kwargs(layers: str) -> dict:
-    """The engine's layer layout, where this checkout's RolloutEngine takes one ("auto": the main job's choice on
-    this backend, unstacked on a GPU)."""
-    if "layers" not in inspect.signature(RolloutEngine.__init__).parameters:
-        return {}
-    if layers == "auto":
-        layers = "unstacked" if jax.default_backend() == "gpu" else "stacked"
-    return {"layers": layers}
+    """The engine's layer layout ("auto": the main job's choice on this backend, unstacked on a GPU)."""
+    return {"layers": ("unstacked" if jax.default_backend() == "gpu" else "stacked") if layers == "auto" else layers}
 
 
 class Decoding:
@@ -76,9 +66,8 @@ class Decoding:
     def groups(self, b: int, b1_prompts: int):
         return [self.prompts[i : i + 1] for i in range(b1_prompts)] if b == 1 else [self.prompts[:b]]
 
-    def cell(
-        self, b: int, n_new: int, temperature: float, arms: list[str], *, b1_prompts: int, passes: int, log=print
-    ) -> dict:
+    def cell(self, b: int, n_new: int, temperature: float, arms: list[str], *, b1_prompts: int, passes: int,
+             log=print) -> dict:
         """Plain and ``arms`` at starting batch ``b``: one untimed pass (compiles, first runs; an adaptive engine's
         "cold" pass with a fresh bandit), then ``passes`` interleaved timed passes (plain first and again last, the
         arms' order reversed every other pass); each arm's figures are medians of its per-pass ratios to plain's
@@ -114,21 +103,10 @@ def summarise_cell(runs: dict, again: list, b: int, n_new: int, temperature: flo
     plain_s = [(plain[p].seconds + again[p].seconds) / 2 for p in timed]
     ref = plain[0].tokens
     n_plain = sum(len(t) for t in ref)
-    out = dict(
-        batch=b,
-        max_new_tokens=n_new,
-        temperature=temperature,
-        rows=len(ref),
-        plain=dict(
-            tokens=n_plain,
-            seconds=statistics.median(plain_s),
-            tokens_per_s=n_plain / statistics.median(plain_s),
-            ms_per_step=_ms_per_step(plain[1:] + again[1:]),
-            aa_ratios=[again[p].seconds / plain[p].seconds for p in timed],
-            deterministic=all(t.tokens == ref for t in plain + again),
-        ),
-        arms={},
-    )
+    out = dict(batch=b, max_new_tokens=n_new, temperature=temperature, rows=len(ref), arms={}, plain=dict(
+        tokens=n_plain, seconds=statistics.median(plain_s), tokens_per_s=n_plain / statistics.median(plain_s),
+        ms_per_step=_ms_per_step(plain[1:] + again[1:]), aa_ratios=[again[p].seconds / plain[p].seconds for p in timed],
+        deterministic=all(t.tokens == ref for t in plain + again)))
     for k, tallies in runs.items():
         if k == "plain":
             continue
@@ -136,32 +114,24 @@ def summarise_cell(runs: dict, again: list, b: int, n_new: int, temperature: flo
         secs = [tallies[p].seconds for p in timed]
         ratios = [(n_tok / s) / (n_plain / ps) for s, ps in zip(secs, plain_s, strict=True)]
         verifies = sum(t.verifies for t in tallies[1:])
-        row = dict(
-            tokens=n_tok,
-            seconds=statistics.median(secs),
-            tokens_per_s=n_tok / statistics.median(secs),
-            speedup=statistics.median(ratios),
-            speedup_passes=ratios,
-            accept=sum(t.spec_tokens for t in tallies[1:]) / verifies if verifies else 1.0,
-            ms_per_step=_ms_per_step(tallies[1:]),
-            mismatched_rows=max(_mismatches(t.tokens, ref) for t in tallies),
-        )
+        row = dict(tokens=n_tok, seconds=statistics.median(secs), tokens_per_s=n_tok / statistics.median(secs),
+                   speedup=statistics.median(ratios), speedup_passes=ratios,
+                   accept=sum(t.spec_tokens for t in tallies[1:]) / verifies if verifies else 1.0,
+                   ms_per_step=_ms_per_step(tallies[1:]),
+                   mismatched_rows=max(_mismatches(t.tokens, ref) for t in tallies))
         if k.startswith("adaptive:"):
             row["arm_steps"] = {a: n for t in tallies[1:] for a, n in t.arm_steps.items()}
             row["cold_speedup"] = (n_tok / tallies[0].seconds) / (n_plain / plain[0].seconds)
         out["arms"][k] = row
-        log(
-            f"b={b} {temp_key(temperature)} {k}: accept {row['accept']:.2f}, {row['ms_per_step']:.2f} ms/step "
+        log(f"b={b} {temp_key(temperature)} {k}: accept {row['accept']:.2f}, {row['ms_per_step']:.2f} ms/step "
             f"(plain {out['plain']['ms_per_step']:.2f}), {row['tokens_per_s']:.0f} tok/s, {row['speedup']:.2f}x plain, "
-            f"mismatched rows {row['mismatched_rows']}/{out['rows']}"
-        )
+            f"mismatched rows {row['mismatched_rows']}/{out['rows']}")
     fixed = {k: r for k, r in out["arms"].items() if not k.startswith("adaptive:")}
     if fixed:
         k = max(fixed, key=lambda a: fixed[a]["speedup"])
         out["best_spec"] = dict(arm=k, speedup=fixed[k]["speedup"], accept=fixed[k]["accept"])
-        out["best_fixed"] = (
-            out["best_spec"] if fixed[k]["speedup"] > 1.0 else dict(arm="plain", speedup=1.0, accept=1.0)
-        )
+        no_spec = dict(arm="plain", speedup=1.0, accept=1.0)
+        out["best_fixed"] = out["best_spec"] if fixed[k]["speedup"] > 1.0 else no_spec
     return out
 
 
@@ -171,72 +141,18 @@ def _ms_per_step(tallies) -> float | None:
 
 
 def e2e_run(name: str, mode: str, steps: int, extra: dict, drafter: str, arms: str = e2e.ADAPTIVE_ARMS) -> dict:
-    """One run of the main job (``e2e_step.bench``'s overrides) in a workdir of our own, so the record keeps every
-    response's length per step (pod_sim_gpu.validate_run predicts the rollouts from them), the prompt lengths and
-    the engine's shape; steady figures are sums over the steps after the first (compiles)."""
-    import tlt_jax.main as main_mod
-    from tlt_jax.metrics import read_metrics
-    from tlt_jax.metrics.records import LENGTHS_FILE
-
-    overrides = {
-        **e2e.OVERRIDES.get(name, {}),
-        **e2e.mode_overrides(mode, arms, drafter, "5x1x6"),
-        "train.num_steps": steps,
-        "metrics.progress_bars": False,
-        "eval.at_start": False,
-        **extra,
-    }
-    cfg = e2e.load_config(name, overrides)
-    build, seen = main_mod.build_engine, {}
-
-    def build_and_note(cfg_, model, mesh, data, workdir=None):
-        engine = build(cfg_, model, mesh, data, workdir)
-        one = getattr(getattr(engine, "rollout", None), "engines", [engine])[0]  # a controlled rollout's slice
-        seen.update(
-            prompt_len=statistics.mean(len(ex["prompt_ids"]) for ex in data.train),
-            max_batch=one.max_batch,
-            max_len=one.max_len,
-        )
-        return engine
-
-    main_mod.build_engine = build_and_note
-    try:
-        with tempfile.TemporaryDirectory() as workdir:
-            t0 = time.perf_counter()
-            main_mod.run(cfg, workdir)
-            wall = time.perf_counter() - t0
-            rows = [r for r in read_metrics(workdir) if r["kind"] == "train"]
-            with open(os.path.join(workdir, LENGTHS_FILE)) as f:
-                lengths = {d["step"]: d["lengths"] for d in map(json.loads, f)}
-    finally:
-        main_mod.build_engine = build
-    per_step = [
-        dict(
-            step=r["step"],
-            step_s=r["time/step_s"],
-            rollout_s=r["time/rollout_s"],
-            compile_s=r.get("rollout/compile_s") or 0.0,
-            train_s=r.get("time/train_s"),
-            accept_length=r.get("rollout/accept_length"),
-            reward=r.get("reward/mean"),
-            lengths=lengths.get(r["step"], []),
-        )
-        for r in rows
-    ]
+    """One run of the main job (``e2e_step.bench``); the record keeps every response's length per step
+    (pod_model.validate_run predicts the rollouts from them), the prompt lengths and the engine's shape; steady
+    figures are sums over the steps after the first (compiles)."""
+    r = e2e.bench(name, steps, mode, arms, drafter, "5x1x6", extra)
+    per_step = [dict(step=s["step"], step_s=s["time/step_s"], rollout_s=s["time/rollout_s"],
+                     compile_s=s["rollout/compile_s"] or 0.0, train_s=s["time/train_s"],
+                     accept_length=s["rollout/accept_length"], reward=s["reward/mean"], lengths=n)
+                for s, n in zip(r["per_step"], r["lengths"], strict=True)]
     steady = per_step[1:] or per_step
-    return dict(
-        mode=mode,
-        config=f"configs/{name}.py",
-        overrides={k: v for k, v in overrides.items()},
-        wall_s=wall,
-        group=cfg.rollout.samples_per_prompt,
-        **seen,
-        steps=per_step,
-        steady_steps=len(steady),
-        steady_step_s=sum(s["step_s"] for s in steady),
-        steady_rollout_s=sum(s["rollout_s"] for s in steady),
-        steady_compile_s=sum(s["compile_s"] for s in steady),
-    )
+    return dict(mode=mode, config=r["config"], overrides=r["overrides"], group=r["group"], **r["engine"],
+                wall_s=r["wall_s_including_setup_and_final_eval"], steps=per_step, steady_steps=len(steady),
+                **{f"steady_{k}": sum(x[k] for x in steady) for k in ("step_s", "rollout_s", "compile_s")})
 
 
 def drafter_for_tiny_e2e(out_dir: str) -> str:

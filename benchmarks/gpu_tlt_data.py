@@ -1,10 +1,10 @@
 """``gpu_tlt.py``'s prompts as files, for a machine without reasoning-gym (the GPU image: several of its
 dependencies have no wheels, so it cannot be installed there). Written here, read there:
 
-    python benchmarks/gpu_tlt.py --prepare_data=.xfer/p3/data   # here, with gpu_tlt's RL flags (--prompts, --set)
-    python3 benchmarks/gpu_tlt.py --data_dir=.xfer/p3/data ...   # there: nothing imports reasoning_gym
+    python benchmarks/gpu_tlt.py --prepare_data=DIR   # here, with gpu_tlt's RL flags (--prompts, --set)
+    python3 benchmarks/gpu_tlt.py --data_dir=DIR ...   # there: nothing imports reasoning_gym
 
-The folder (about 0.1 MiB; inside .xfer/p3, so it travels with the weights' last piece) holds GSM8K-format ``.jsonl``
+The folder (about 0.1 MiB) holds GSM8K-format ``.jsonl``
 files (``{"question", "answer": "#### N", "id"}``), the format ``data.source="gsm8k_file"`` reads:
 
 - ``decode.jsonl``: the decoding cells' prompts, the held-out GSM-style problems that
@@ -23,9 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
-
-from gpu_weights import atomic_write
 
 FORMAT = "tlt_jax.gpu_tlt_data.v1"
 MANIFEST = "data.json"
@@ -37,6 +36,19 @@ FIX = "run `python benchmarks/gpu_tlt.py --prepare_data=DIR` (with the run's RL 
 class DataError(RuntimeError):
     """The data folder is missing, incomplete, corrupt or was prepared for another RL config."""
 
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed into place: a reader never sees a partial file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 def rl_key(data_cfg) -> dict | None:
     """What the RL cells' data block generates (None: a source that needs no generator, e.g. gsm8k_file)."""
@@ -51,10 +63,8 @@ def rl_key(data_cfg) -> dict | None:
 
 
 def _write_rows(path: Path, examples: list[dict]) -> str:
-    text = "".join(
-        json.dumps({"question": ex["question"], "answer": f"#### {ex['ground_truth']}", "id": ex["id"]}) + "\n"
-        for ex in examples
-    )
+    text = "".join(json.dumps({"question": ex["question"], "answer": f"#### {ex['ground_truth']}", "id": ex["id"]})
+                   + "\n" for ex in examples)
     atomic_write(path, text.encode())
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -95,22 +105,13 @@ def prepare(out_dir: str | os.PathLike, rl_data, decode_size: int | None = None)
     plain = lambda q: q  # noqa: E731 - the files keep questions; the run formats them (chat template, instruction)
     size = decode_size or EVAL_SIZE
     dec = generated_splits(DECODE_TASK, 1, size, formatter=plain).eval  # as load_policy_and_prompts(..., "eval")
-    manifest = {
-        "format": FORMAT,
-        "reasoning_gym": getattr(reasoning_gym, "__version__", "?"),
-        "decode": {"task": DECODE_TASK, "split": "eval", "size": size, **_file(out, "decode.jsonl", dec)},
-        "rl": None,
-    }
+    manifest = {"format": FORMAT, "reasoning_gym": getattr(reasoning_gym, "__version__", "?"), "rl": None,
+                "decode": {"task": DECODE_TASK, "split": "eval", "size": size, **_file(out, "decode.jsonl", dec)}}
     key = rl_key(rl_data)
     if key is not None:
-        splits = generated_splits(
-            key["source"], key["train_size"], key["eval_size"], key["train_seed"], key["eval_seed"], formatter=plain
-        )
-        manifest["rl"] = {
-            **key,
-            "train": _file(out, "train.jsonl", splits.train),
-            "eval": _file(out, "eval.jsonl", splits.eval),
-        }
+        splits = generated_splits(*(key[k] for k in RL_KEYS[:5]), formatter=plain)
+        manifest["rl"] = {**key, "train": _file(out, "train.jsonl", splits.train),
+                          "eval": _file(out, "eval.jsonl", splits.eval)}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -143,17 +144,12 @@ def rl_overrides(data_dir: str | os.PathLike, manifest: dict, rl_data) -> dict:
     if want is None:
         return {}
     if want != have:
-        diff = "; ".join(
-            f"{k}: {(have or {}).get(k)!r} there, {want[k]!r} here" for k in RL_KEYS if (have or {}).get(k) != want[k]
-        )
+        diff = "; ".join(f"{k}: {(have or {}).get(k)!r} there, {want[k]!r} here" for k in RL_KEYS
+                         if (have or {}).get(k) != want[k])
         raise DataError(f"{data_dir} was prepared for other RL data ({diff}): {FIX.replace('DIR', str(data_dir))}")
     d = Path(data_dir).resolve()
-    return {
-        "data.source": "gsm8k_file",
-        "data.train_path": str(d / manifest["rl"]["train"]["file"]),
-        "data.eval_path": str(d / manifest["rl"]["eval"]["file"]),
-        "data.instruction": want["instruction"],
-    }
+    return {"data.source": "gsm8k_file", "data.train_path": str(d / manifest["rl"]["train"]["file"]),
+            "data.eval_path": str(d / manifest["rl"]["eval"]["file"]), "data.instruction": want["instruction"]}
 
 
 def decode_questions(data_dir: str | os.PathLike, formatter, num_prompts: int) -> list[dict]:
@@ -177,8 +173,7 @@ def load_policy_and_prompts(model: str | None, data_dir: str | os.PathLike, num_
 
         model = str(default_model_path())
     policy, tok = load_model_and_tokenizer(model)
-    fmt = PromptFormatter(
-        chat_template=tok.apply_chat_template if tok.chat_template else None, instruction=instruction_for(DECODE_TASK)
-    )
+    fmt = PromptFormatter(chat_template=tok.apply_chat_template if tok.chat_template else None,
+                          instruction=instruction_for(DECODE_TASK))
     examples = decode_questions(data_dir, fmt, num_prompts)
     return policy, [tok.encode(ex["prompt_text"]) for ex in examples], tuple(tok.eos_token_ids) or None

@@ -124,22 +124,16 @@ def run_model(name: str, model: CausalLM, args, workload: str = "tail") -> dict:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return wall, cpu, [toks[i, : n[i]].tolist() for i in range(len(prompts))], lps
 
-    print(
-        f"[{name}/{workload}] {args.requests} requests, max_new {max_new}, median {int(np.median(lengths))}, "
-        f"mean {np.mean(lengths):.1f}, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens",
-        flush=True,
-    )
+    print(f"[{name}/{workload}] {args.requests} requests, max_new {max_new}, median {int(np.median(lengths))}, "
+          f"mean {np.mean(lengths):.1f}, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens", flush=True)
     t0 = time.perf_counter()
     warm = engine.generate(prompts, params)
     engine_compile = time.perf_counter() - t0
     t0 = time.perf_counter()
     _, _, base_tokens, base_lps = run_baseline()
     base_compile = time.perf_counter() - t0
-    print(
-        f"[{name}/{workload}] warm-up: engine {engine_compile:.1f}s ({warm.stats['pool']['compiles']} compiles), "
-        f"baseline {base_compile:.1f}s",
-        flush=True,
-    )
+    print(f"[{name}/{workload}] warm-up: engine {engine_compile:.1f}s ({warm.stats['pool']['compiles']} compiles), "
+          f"baseline {base_compile:.1f}s", flush=True)
     eng_times, base_times, eng_cpu, base_cpu, last = [], [], [], [], warm
     for r in range(args.repeats or (3 if name == "tiny" else 1)):
         c0 = time.process_time()
@@ -150,75 +144,38 @@ def run_model(name: str, model: CausalLM, args, workload: str = "tail") -> dict:
         base_cpu.append(bc)
         base_times.append(bt)
         last = res
-        print(
-            f"[{name}/{workload}] round {r}: engine {eng_times[-1]:.2f}s  whole-batch {bt:.2f}s  "
-            f"ratio {bt / eng_times[-1]:.2f}x  CPU {bc / eng_cpu[-1]:.2f}x  "
-            f"(compiles this call: {res.stats['pool_this_call']['compiles']})",
-            flush=True,
-        )
+        print(f"[{name}/{workload}] round {r}: engine {eng_times[-1]:.2f}s  whole-batch {bt:.2f}s  ratio "
+              f"{bt / eng_times[-1]:.2f}x  CPU {bc / eng_cpu[-1]:.2f}x  (compiles this call: "
+              f"{res.stats['pool_this_call']['compiles']})", flush=True)
     got = [t[0] for t in last.tokens]
     mismatch = [i for i in range(len(prompts)) if got[i] != base_tokens[i]]
-    lp_err = max(
-        float(np.max(np.abs(np.array(last.logprobs[i][0]) - base_lps[i, : lengths[i]]))) for i in range(len(prompts))
-    )
+    lp_err = max(float(np.max(np.abs(np.array(last.logprobs[i][0]) - base_lps[i, : lengths[i]])))
+                 for i in range(len(prompts)))
     st = last.stats
     total = sum(lengths)
     eng_s, base_s = statistics.median(eng_times), statistics.median(base_times)
     live_per_step = np.array([sum(1 for x in lengths if x > s) for s in range(1, max_new)])
     out = dict(
-        model=name,
-        kind=workload,
-        config=dict(
-            vocab=cfg.vocab_size,
-            hidden=cfg.hidden_size,
-            layers=cfg.num_layers,
-            heads=cfg.num_heads,
-            kv_heads=cfg.num_kv_heads,
-            params_m=round(cfg.num_params() / 1e6, 1),
-        ),
-        workload=dict(
-            requests=args.requests,
-            max_new=max_new,
-            median=float(np.median(lengths)),
-            mean=float(np.mean(lengths)),
-            total_tokens=total,
-            seed=args.seed,
-            prompt_tokens=[min(map(len, prompts)), max(map(len, prompts))],
-            max_len=max_len,
-        ),
-        chunk_size=args.chunk,
-        engine_seconds=eng_times,
-        whole_batch_seconds=base_times,
-        speedup=base_s / eng_s,
+        model=name, kind=workload,
+        config=dict(vocab=cfg.vocab_size, hidden=cfg.hidden_size, layers=cfg.num_layers, heads=cfg.num_heads,
+                    kv_heads=cfg.num_kv_heads, params_m=round(cfg.num_params() / 1e6, 1)),
+        workload=dict(requests=args.requests, max_new=max_new, median=float(np.median(lengths)),
+                      mean=float(np.mean(lengths)), total_tokens=total, seed=args.seed,
+                      prompt_tokens=[min(map(len, prompts)), max(map(len, prompts))], max_len=max_len),
+        chunk_size=args.chunk, engine_seconds=eng_times, whole_batch_seconds=base_times, speedup=base_s / eng_s,
         speedup_median_of_rounds=statistics.median(b / e for b, e in zip(base_times, eng_times, strict=True)),
-        engine_cpu_seconds=eng_cpu,
-        whole_batch_cpu_seconds=base_cpu,
+        engine_cpu_seconds=eng_cpu, whole_batch_cpu_seconds=base_cpu,
         speedup_cpu=statistics.median(base_cpu) / statistics.median(eng_cpu),
-        engine_ms_per_step=1e3 * eng_s / max_new,
-        whole_batch_ms_per_step=1e3 * base_s / max_new,
-        engine_tokens_per_s=total / eng_s,
-        whole_batch_tokens_per_s=total / base_s,
-        tokens_equal=not mismatch,
-        mismatched_requests=mismatch,
-        max_logprob_diff=lp_err,
-        engine_prefill_seconds=st["prefill_seconds"],
-        engine_decode_seconds=st["decode_seconds"],
-        engine_tail_seconds=st["tail_seconds"],
-        engine_tail_share_of_wall=st["tail_seconds"] / st["wall_seconds"],
+        engine_ms_per_step=1e3 * eng_s / max_new, whole_batch_ms_per_step=1e3 * base_s / max_new,
+        engine_tokens_per_s=total / eng_s, whole_batch_tokens_per_s=total / base_s,
+        tokens_equal=not mismatch, mismatched_requests=mismatch, max_logprob_diff=lp_err,
+        engine_prefill_seconds=st["prefill_seconds"], engine_decode_seconds=st["decode_seconds"],
+        engine_tail_seconds=st["tail_seconds"], engine_tail_share_of_wall=st["tail_seconds"] / st["wall_seconds"],
         tail_threshold=st["tail_threshold"],
         whole_batch_steps_with_tail_batch=float(np.mean(live_per_step <= st["tail_threshold"])),
-        by_batch={
-            str(b): dict(
-                tokens=d["tokens"],
-                seconds=round(d["seconds"], 4),
-                chunks=d["chunks"],
-                tokens_per_s=round(d["tokens_per_s"], 1),
-            )
-            for b, d in st["by_batch"].items()
-        },
-        chunks=len(st["chunks"]),
-        compactions=len(st["compactions"]),
-        pool=st["pool"],
+        by_batch={str(b): dict(tokens=d["tokens"], seconds=round(d["seconds"], 4), chunks=d["chunks"],
+                               tokens_per_s=round(d["tokens_per_s"], 1)) for b, d in st["by_batch"].items()},
+        chunks=len(st["chunks"]), compactions=len(st["compactions"]), pool=st["pool"],
         warmup_seconds=dict(engine=engine_compile, whole_batch=base_compile),
         load_average=dict(start=load0, end=os.getloadavg()[0]),
     )
@@ -228,31 +185,20 @@ def run_model(name: str, model: CausalLM, args, workload: str = "tail") -> dict:
 
 def print_table(r: dict) -> None:
     w = r["workload"]
-    print(
-        f"\n== {r['model']} ({r['config']['params_m']}M params), {r['kind']}: {w['requests']} requests, "
-        f"max_new {w['max_new']}, median {w['median']:.0f}, {w['total_tokens']} tokens"
-    )
+    med = statistics.median
+    print(f"\n== {r['model']} ({r['config']['params_m']}M params), {r['kind']}: {w['requests']} requests, "
+          f"max_new {w['max_new']}, median {w['median']:.0f}, {w['total_tokens']} tokens")
     print(f"{'':24}{'engine':>12}{'whole-batch':>14}")
-    print(
-        f"{'wall s (median)':24}{statistics.median(r['engine_seconds']):12.2f}"
-        f"{statistics.median(r['whole_batch_seconds']):14.2f}"
-    )
+    print(f"{'wall s (median)':24}{med(r['engine_seconds']):12.2f}{med(r['whole_batch_seconds']):14.2f}")
     print(f"{'tokens/s':24}{r['engine_tokens_per_s']:12.1f}{r['whole_batch_tokens_per_s']:14.1f}")
     print(f"{'ms per step':24}{r['engine_ms_per_step']:12.2f}{r['whole_batch_ms_per_step']:14.2f}")
-    print(
-        f"{'process CPU s (median)':24}{statistics.median(r['engine_cpu_seconds']):12.2f}"
-        f"{statistics.median(r['whole_batch_cpu_seconds']):14.2f}"
-    )
-    print(
-        f"speedup {r['speedup']:.2f}x (rounds' median {r['speedup_median_of_rounds']:.2f}x, "
-        f"CPU {r['speedup_cpu']:.2f}x)   tokens equal: {r['tokens_equal']}   max |logprob diff| "
-        f"{r['max_logprob_diff']:.2e}"
-    )
-    print(
-        f"engine tail (≤{r['tail_threshold']} live rows): {r['engine_tail_seconds']:.2f}s = "
-        f"{100 * r['engine_tail_share_of_wall']:.0f}% of wall; whole-batch steps in tail: "
-        f"{100 * r['whole_batch_steps_with_tail_batch']:.0f}%"
-    )
+    print(f"{'process CPU s (median)':24}{med(r['engine_cpu_seconds']):12.2f}{med(r['whole_batch_cpu_seconds']):14.2f}")
+    print(f"speedup {r['speedup']:.2f}x (rounds' median {r['speedup_median_of_rounds']:.2f}x, CPU "
+          f"{r['speedup_cpu']:.2f}x)   tokens equal: {r['tokens_equal']}   max |logprob diff| "
+          f"{r['max_logprob_diff']:.2e}")
+    print(f"engine tail (≤{r['tail_threshold']} live rows): {r['engine_tail_seconds']:.2f}s = "
+          f"{100 * r['engine_tail_share_of_wall']:.0f}% of wall; whole-batch steps in tail: "
+          f"{100 * r['whole_batch_steps_with_tail_batch']:.0f}%")
     print(f"{'batch bucket':>14}{'tokens':>9}{'seconds':>10}{'tokens/s':>11}")
     for b, d in r["by_batch"].items():
         print(f"{b:>14}{d['tokens']:>9}{d['seconds']:>10.3f}{d['tokens_per_s']:>11.1f}")
@@ -261,15 +207,8 @@ def print_table(r: dict) -> None:
 
 def load(name: str) -> CausalLM:
     if name == "tiny":
-        cfg = tiny_config(
-            vocab_size=512,
-            hidden_size=128,
-            intermediate_size=512,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            max_position_embeddings=2048,
-        )
+        cfg = tiny_config(vocab_size=512, hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4,
+                          num_kv_heads=2, max_position_embeddings=2048)
         return CausalLM(cfg, rngs=nnx.Rngs(0))
     if name == "smollm2":
         from tlt_jax.models import from_pretrained
@@ -293,17 +232,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
-    results = dict(
-        command="python benchmarks/rollout_tail.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        machine=dict(
-            platform=platform.platform(),
-            cpus=os.cpu_count(),
-            jax=jax.__version__,
-            devices=[str(d) for d in jax.devices()],
-        ),
-        date=time.strftime("%Y-%m-%d %H:%M:%S"),
-        runs=[],
-    )
+    results = dict(command="python benchmarks/rollout_tail.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                   machine=dict(platform=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__,
+                                devices=[str(d) for d in jax.devices()]),
+                   date=time.strftime("%Y-%m-%d %H:%M:%S"), runs=[])
     kinds = ("equal", "tail") if args.workload == "both" else (args.workload,)
     for name in args.models.split(","):
         model = load(name)

@@ -21,7 +21,7 @@ excluded); ``decode_speedup`` leaves out the prefill (the same work in every arm
 drafter), the best speedup by batch and the smallest batch from which no configuration beats plain.
 
 Adaptive engine (--adaptive): one RolloutEngine holding both drafters, ``SpecConfig(arms=("off", every fixed arm of
-the batch))`` with the engine's default speculation gate (at most 32 live rows, as in TLT; --adaptive_threshold), its
+the batch))`` with the engine's default speculation gate (at most 32 live rows, as in TLT), its
 bandit fresh for every (batch, temperature), run after the fixed arms in every interleaved pass. Its first pass is
 "cold" (it pays its learning; an extra pass before the --repeats ones); in the --repeats passes after it, it is "warm"
 (the same bandit, the steady state, as in RL where the bandit carries across steps) and, like every arm, timed by the
@@ -30,9 +30,9 @@ plain's A/A ratios (its second run of a pass over its first: how far two equal r
 adaptive engine's speedup over plain pass by pass.
 
 --ablate_coupling: every EAGLE tree also runs with ``SpecConfig(coupled=False)`` ("eagle_topk"): sampled rows
-then draft the drafter's deterministic top-k instead of its sample coupled to the verifier's noise.
---off_overhead: only the "off" arm's cost in an adaptive engine with an EAGLE drafter (its plain steps record the
-policy's hidden states for the drafter's later catch-up) against the plain engine, same prompts and forced lengths.
+then draft the drafter's deterministic top-k instead of its sample coupled to the verifier's noise. The step's parts
+timed at batch 1 (--breakdown: ``step_breakdown_b1`` of results/speculative_smollm2_cpu_b1.json) and --off_overhead
+are in this script at commit b73bbda.
 """
 
 from __future__ import annotations
@@ -69,195 +69,13 @@ flags.DEFINE_list("configs_small", ["3x1x4", "4x1x5", "3x2x6"], "trees at batch 
 flags.DEFINE_list("configs_large", ["2x1x3", "3x1x4", "3x2x6"], "trees at batch > 4")
 flags.DEFINE_list("drafters", ["ngram", "eagle"], "drafters to run (eagle needs --drafter)")
 flags.DEFINE_integer("b1_prompts", 8, "at batch 1, run this many prompts one after the other (summed)")
-flags.DEFINE_integer("steps_per_call", 4, "EAGLE verify steps per host round trip")
 flags.DEFINE_integer("repeats", 1, "interleaved passes per cell; each arm's time is the median over the passes "
                      "(with --adaptive: after one more pass, the adaptive engine's cold one)")
-flags.DEFINE_bool("breakdown", True, "time the parts of one step at batch 1 (plain step; EAGLE draft, verify, extend)")
+flags.DEFINE_bool("breakdown", False, "no-op, kept for the commands in benchmarks/README.md (see the docstring)")
 flags.DEFINE_bool("adaptive", True, "also run the adaptive engine: a bandit over off + every fixed arm of the batch")
-flags.DEFINE_float("epsilon", 0.1, "adaptive: exploration probability")
-flags.DEFINE_integer("adaptive_threshold", None, "adaptive: the speculation gate's threshold (live rows at or under "
-                     "which the bandit may speculate; default SpecConfig's, 32, as in TLT; 0 = never)")
-flags.DEFINE_float("margin", 0.1, "adaptive: explore only arms within this fraction of the best (BanditConfig.margin)")
 flags.DEFINE_bool("ablate_coupling", False, "also run every EAGLE tree with SpecConfig(coupled=False) (drafter "
                   "'eagle_topk': sampled rows draft the deterministic top-k, not the verifier-coupled sample)")
-flags.DEFINE_bool("off_overhead", False, "only measure the adaptive engine's 'off' arm against plain (its plain "
-                  "steps record hidden states for the drafter) at --batches, then exit")
 flags.DEFINE_string("out", "benchmarks/results/speculative_smollm2_cpu.json", "JSON output")
-
-
-def _median_ms(fn, reps: int = 15) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return 1000 * float(np.median(times))
-
-
-def step_breakdown(policy, drafter, prompt, stops, configs, length: int = 256) -> list[dict]:
-    """Milliseconds of one batch-1 step's parts after prefilling ``prompt``, on the RolloutEngine's own compiled steps
-    and decode state: a plain decode step, and per tree config the EAGLE draft, the policy's tree verify, the drafter
-    extend (the kernels the fused step runs) and the engine's fused verify step (draft → verify → commit → extend).
-    Attention reads ``length`` cache slots. The engine's steps donate their state, so every timed call gets its own
-    copy of it, made outside the clock; the undonated parts also copy the caches they update."""
-    import jax.numpy as jnp
-
-    from tlt_jax.rollout.pool import StepKey
-    from tlt_jax.rollout.run import GenerateRun
-    from tlt_jax.rollout.spec_steps import verify_rows
-    from tlt_jax.speculative.tree import DraftState, drafter_extend, eagle_draft
-
-    prompt = list(prompt)
-    if len(prompt) >= length:
-        raise ValueError(f"step_breakdown: the prompt ({len(prompt)} tokens) must be shorter than length={length}")
-    kw = dict(max_batch=1, max_len=length, length_buckets=(length,), batch_buckets=(1,), chunk_size=1)
-    params = SamplingParams(temperature=0.0, max_new_tokens=length - len(prompt), stop_token_ids=stops)
-
-    def prefilled(engine):
-        run = GenerateRun(engine, [prompt], [length - len(prompt)], [0], params, tuple(stops or ()))
-        return run.prefill([(0, 0)])[0]
-
-    copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
-
-    def step_ms(engine, phase: str, arm: str, reps: int = 15) -> float:
-        """The compiled step as the engine runs it (state donated): each call gets its own copy, made untimed. The
-        copies are of the state after one untimed call, so an EAGLE step's drafter is already caught up over the
-        prompt (the lazy drafter cache: a fresh prefill leaves that to the first verify step)."""
-        state = prefilled(engine)
-        eagle = engine.drafter_kind == "eagle" and phase == "verify"
-        rounds = (jnp.int32(engine.spec.steps_per_call),) if eagle else ()  # the EAGLE step's rounds argument
-        exe = engine.pool.get(StepKey(phase, 1, length, arm), engine.step_params(), state, *rounds)
-        state = jax.block_until_ready(exe(engine.step_params(), copy(state), *rounds))[0]
-        times = []
-        for _ in range(reps):
-            fresh = jax.block_until_ready(copy(state))
-            t = time.perf_counter()
-            jax.block_until_ready(exe(engine.step_params(), fresh, *rounds))
-            times.append(time.perf_counter() - t)
-        return 1000 * float(np.median(times))
-
-    plain = RolloutEngine(policy, **kw)
-    rows = [dict(part="plain_step", ms=step_ms(plain, "decode", "plain"))]
-    cache = prefilled(plain).cache
-
-    def parts(c: str) -> dict:
-        d, k, n = (int(x) for x in c.split("x"))
-        spec = SpecConfig(depth=d, topk=k, verify_tokens=n, threshold=1, steps_per_call=1)
-        engine = RolloutEngine(policy, drafter=drafter, spec=spec, **kw)
-        state = prefilled(engine)
-        dlen = min(length + (d - 1) * k, engine.ctx.drafter_len)
-        draft = jax.jit(lambda p, dr, s, r: eagle_draft(p, dr, DraftState(s.cache.view(dlen), s.feature), r, depth=d,
-                                                        topk=k, num_nodes=n))
-        verify = jax.jit(lambda p, s, t: verify_rows(p, s, t, spec, length))
-        extend = jax.jit(lambda p, dr, s, h, t, m: drafter_extend(p, dr, s, h, t, m, attend_len=dlen))
-        tree, _ = draft(policy, drafter, state.aux.draft, state.last_token)
-        out = verify(policy, state, tree)
-        tok = jnp.maximum(out.tokens, 0)
-        return dict(
-            part=c,
-            draft_ms=_median_ms(lambda: draft(policy, drafter, state.aux.draft, state.last_token)),
-            verify_ms=_median_ms(lambda: verify(policy, state, tree)),
-            extend_ms=_median_ms(lambda: extend(policy, drafter, state.aux.draft, out.hidden, tok, out.num_emitted)),
-            fused_ms=step_ms(engine, "verify", engine.spec_arm),
-        )
-
-    fwd = jax.jit(lambda p, c_, i, m: jnp.argmax(p(i, cache=c_, tree_mask=m, attend_len=length).logits, -1))
-    for t in (1, 2, 4, 5, 7, 8, 16):  # the policy forward alone, over t chained tokens after the prompt
-        ids = jnp.zeros((1, t), jnp.int32)
-        mask = jnp.tril(jnp.ones((1, t, t), bool))
-        ms = _median_ms(lambda i=ids, m=mask: fwd(policy, cache, i, m))
-        rows.append(dict(part=f"forward_{t}_tokens", ms=ms))
-        print(f"policy forward over {t} tokens: {rows[-1]['ms']:.1f} ms", flush=True)
-    for c in configs:
-        rows.append(r := parts(c))
-        print(f"step parts {c}: draft {r['draft_ms']:.1f} ms, verify {r['verify_ms']:.1f} ms, extend "
-              f"{r['extend_ms']:.1f} ms, fused {r['fused_ms']:.1f} ms (plain step {rows[0]['ms']:.1f} ms)", flush=True)
-    return rows
-
-
-def off_overhead(policy, drafter, prompts, batches, tokens, max_len: int, repeats: int) -> list[dict]:
-    """Decode seconds of the adaptive engine pinned to "off" (threshold 0: the gate never opens) over plain decoding,
-    same prompts and forced lengths (greedy, ignore_eos), interleaved passes, medians. Two adaptive engines: EAGLE arms
-    only (its plain steps also record hidden states for the drafter) and EAGLE + n-gram arms (also report every
-    emitted token for the host n-gram histories), as the benchmark's adaptive engine. Beside the timings, XLA's cost
-    analysis of each compiled chunk (flops, bytes accessed: deterministic, unlike the timings on a shared CPU)."""
-    max_batch = max(batches)
-    kw = dict(max_batch=max_batch, max_len=max_len)
-    engines = {"plain": RolloutEngine(policy, **kw)}
-    pinned = {"off_eagle": ("off", "eagle:3x1x4"), "off_eagle_ngram": ("off", "ngram:3x1x4", "eagle:3x1x4")}
-    for name, arms in pinned.items():
-        engines[name] = RolloutEngine(policy, drafter=drafter, spec=SpecConfig(arms=arms, threshold=0), **kw)
-    out = []
-    for b, n_new in zip(batches, tokens, strict=False):
-        params = SamplingParams(temperature=0.0, max_new_tokens=n_new, ignore_eos=True)
-        group = prompts[:b]
-        ref = {k: e.generate(group, params) for k, e in engines.items()}  # compiles
-        secs: dict[str, list[float]] = {k: [] for k in engines}
-        for r in range(repeats):  # the order alternates, so a drift in load does not favour one engine
-            for k in list(engines)[:: 1 if r % 2 == 0 else -1]:
-                res = engines[k].generate(group, params)
-                if res.tokens != ref["plain"].tokens or any(c["choice"] != "off" for c in res.stats["chunks"]):
-                    raise AssertionError(f"{k}: not plain decoding")
-                secs[k].append(res.stats["decode_seconds"])
-        med = {k: float(np.median(v)) for k, v in secs.items()}
-        row = dict(batch=b, tokens=n_new, steps=ref["plain"].stats["steps"], repeats=repeats, decode_seconds=secs,
-                   load_average=os.getloadavg())
-        # per repeat the ratio to plain's run of the same repeat, then the median: robust to slow drift
-        for k in list(engines)[1:]:
-            row[f"{k}_over_plain"] = float(np.median(np.divide(secs[k], secs["plain"])))
-        chunk, cost = _chunk_ms(engines, group, n_new, reps=31)
-        row["chunk_ms"], row["chunk_cost"] = chunk, cost
-        for k in list(engines)[1:]:
-            row[f"{k}_chunk_over_plain"] = float(np.median(np.divide(chunk[k], chunk["plain"])))
-        out.append(row)
-        print(f"b={b}: plain {1000 * med['plain'] / row['steps']:.1f} ms/step; off with the EAGLE drafter "
-              f"{row['off_eagle_over_plain']:.3f}x plain's time, EAGLE + n-gram arms "
-              f"{row['off_eagle_ngram_over_plain']:.3f}x; one compiled K-step chunk alone: plain "
-              f"{np.median(chunk['plain']):.1f} ms, off with the EAGLE drafter "
-              f"{row['off_eagle_chunk_over_plain']:.3f}x, "
-              f"EAGLE + n-gram {row['off_eagle_ngram_chunk_over_plain']:.3f}x (load {os.getloadavg()[0]:.1f}); "
-              f"cost analysis flops / bytes over plain's: "
-              + ", ".join(f"{k} {cost[k]['flops'] / cost['plain']['flops']:.4f} / "
-                          f"{cost[k]['bytes'] / cost['plain']['bytes']:.3f}" for k in list(engines)[1:]),
-              flush=True)
-    return out
-
-
-def _chunk_ms(engines: dict, prompts, n_new: int, reps: int) -> tuple[dict[str, list[float]], dict[str, dict]]:
-    """Milliseconds of each engine's compiled plain decode chunk (K steps, batch bucket of ``prompts``) right after
-    prefilling the same prompts, without the host loop: every call on its own copy of the state (made untimed), the
-    engines interleaved call by call, the order alternating. Isolates the device cost of what the drafter adds to a
-    plain step from the host's round-trip work. Also each chunk's XLA cost analysis (flops, bytes accessed; XLA counts
-    a loop body once, so these are per program, not per K steps)."""
-    import jax.numpy as jnp
-
-    from tlt_jax.rollout import buckets as bk
-    from tlt_jax.rollout.pool import StepKey
-    from tlt_jax.rollout.run import GenerateRun
-
-    copy = jax.jit(lambda s: jax.tree.map(jnp.copy, s))
-    params = SamplingParams(temperature=0.0, max_new_tokens=n_new, ignore_eos=True)
-    prepared, costs = {}, {}
-    for k, e in engines.items():
-        run = GenerateRun(e, prompts, [n_new] * len(prompts), list(range(len(prompts))), params, ())
-        state, _, slots, plen, _ = run.prefill([(i, 0) for i in range(len(prompts))])
-        length = bk.pick(e.length_buckets, int(plen.max()) + e.chunk_size)
-        exe = e.pool.get(StepKey("decode", len(slots), length, "plain"), e.step_params(), state)
-        jax.block_until_ready(exe(e.step_params(), copy(state)))
-        prepared[k] = (e, exe, state)
-        ca = exe.cost_analysis()
-        ca = ca[0] if isinstance(ca, list) else ca
-        costs[k] = dict(flops=float(ca["flops"]), bytes=float(ca["bytes accessed"]))
-    times: dict[str, list[float]] = {k: [] for k in engines}
-    for r in range(reps):
-        for k in list(engines)[:: 1 if r % 2 == 0 else -1]:
-            e, exe, state = prepared[k]
-            fresh = jax.block_until_ready(copy(state))
-            t = time.perf_counter()
-            jax.block_until_ready(exe(e.step_params(), fresh))
-            times[k].append(1000 * (time.perf_counter() - t))
-    return times, costs
 
 
 class _Tally:
@@ -294,20 +112,12 @@ class _Tally:
 
 
 def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1, adaptive=None):
-    """Run every arm on every prompt group, interleaved (per group: plain, each speculative arm, plain again; the
-    arms in reverse order every other pass), so a drift in machine load hits every arm alike; plain's time is the mean
-    of its two runs. The whole interleaved pass runs ``repeats`` times and each arm's seconds are the median over the
-    passes (the shared machine's speed drifts by tens of percent between passes; the tokens must be identical in every
-    pass). Returns the tallies of the
-    speculative arms and plain's.
-
-    ``adaptive`` (an adaptive engine, its bandit fresh) joins every pass after the speculative arms. One extra pass
-    runs first: the adaptive engine's "cold" pass (it learns while it runs; compared with plain of that pass). The
-    ``repeats`` passes after it are "warm" (the same bandit, as in RL where it carries across steps): the adaptive
-    engine's and every fixed arm's seconds are medians over them, so it is compared side by side with the arms on the
-    same passes. Its tallies come back under ("adaptive", "cold" | "warm") with ``ref_seconds`` /
-    ``ref_decode_seconds``, plain's time of the same pass(es), and ``choices``, the bandit's choice counters at the
-    end."""
+    """Run every arm on every prompt group in interleaved passes (per group: plain, each arm, plain again; the arms
+    reversed every other pass); each arm's seconds are the median over ``repeats`` passes, plain's the mean of its two
+    runs per pass; tokens must be identical in every pass. ``adaptive`` (its bandit fresh) joins every pass after the
+    arms, with one extra "cold" pass first; its tallies come back under ("adaptive", "cold" | "warm") with
+    ``ref_seconds`` / ``ref_decode_seconds`` (plain's of the same passes) and ``choices`` (the bandit's counters).
+    Returns (the speculative arms' tallies, plain's)."""
     runs = [*arms, "adaptive"] if adaptive is not None else list(arms)
     engines = arms | ({"adaptive": adaptive} if adaptive is not None else {})
     passes = []
@@ -375,10 +185,6 @@ def main(argv):
         if _F.ablate_coupling:
             drafters[UNCOUPLED] = drafters["eagle"]
     max_len = max(len(p) for p in prompts) + max(tokens) + 64
-    if _F.off_overhead:
-        res = off_overhead(policy, drafters["eagle"], prompts, batches, tokens, max_len, _F.repeats)
-        pathlib.Path(_F.out).write_text(json.dumps(dict(off_overhead=res), indent=1, default=_np))
-        return
     max_batch = max(batches)
     plain = RolloutEngine(policy, max_batch=max_batch, max_len=max_len)
     engines: dict[tuple[str, str], RolloutEngine] = {}
@@ -387,16 +193,13 @@ def main(argv):
         if (name, config) not in engines:
             depth, topk, n = (int(x) for x in config.split("x"))
             spec = SpecConfig(depth=depth, topk=topk, verify_tokens=n, threshold=max_batch,
-                              steps_per_call=_F.steps_per_call, coupled=name != UNCOUPLED)
+                              coupled=name != UNCOUPLED)
             engines[name, config] = RolloutEngine(policy, drafter=drafters[name], spec=spec, max_batch=max_batch,
                                                   max_len=max_len)
         return engines[name, config]
 
     rows = []
     t_start = time.perf_counter()
-    breakdown = None
-    if _F.breakdown and "eagle" in drafters:
-        breakdown = step_breakdown(policy, drafters["eagle"], prompts[0], stops, _F.configs_b1)
     for b, n_new in zip(batches, tokens, strict=False):
         engines.clear()  # each batch compiles its own shapes anyway; keeping every engine's executables ran out of
         gc.collect()  # memory (24 GB) by batch 32
@@ -406,13 +209,7 @@ def main(argv):
         ada = None
         if _F.adaptive:  # one engine per batch, a fresh bandit per (batch, temperature): see _run_cell
             bandit_arms = ("off", *(f"{name}:{c}" for name in drafters if name != UNCOUPLED for c in configs))
-            spec = SpecConfig(
-                arms=bandit_arms,
-                epsilon=_F.epsilon,
-                margin=_F.margin,
-                steps_per_call=_F.steps_per_call,
-                **({} if _F.adaptive_threshold is None else dict(threshold=_F.adaptive_threshold)),
-            )
+            spec = SpecConfig(arms=bandit_arms)  # SpecConfig's defaults: epsilon, margin, threshold, steps per call
             ada = RolloutEngine(policy, drafter=drafters.get("eagle"), spec=spec, max_batch=max_batch, max_len=max_len)
         for temp in (float(t) for t in _F.temperatures):
             params = SamplingParams(temperature=temp, max_new_tokens=n_new, seed=0, stop_token_ids=stops)
@@ -449,8 +246,8 @@ def main(argv):
                     per = rows[-1].get("speedup_passes")
                     print(f"    arm steps {tl.arm_steps}; bandit choices {tl.choices}"
                           + (f"; x plain per pass {', '.join(f'{r:.3f}' for r in per)}" if per else ""), flush=True)
-                write(rows, breakdown, drafters, split, t_start, final=False)  # partial results survive a kill
-    write(rows, breakdown, drafters, split, t_start, final=True)
+                write(rows, drafters, split, t_start, final=False)  # partial results survive a kill
+    write(rows, drafters, split, t_start, final=True)
 
 
 def _drafter_dir():
@@ -458,23 +255,20 @@ def _drafter_dir():
     return _F.drafter or (DEFAULT_DRAFTER if _F.model is None else None)
 
 
-def write(rows, breakdown, drafters, split, t_start, final: bool) -> None:
+def write(rows, drafters, split, t_start, final: bool) -> None:
     summary = _summarise(rows, list(drafters), log=final)
     if _F.adaptive:
         summary.append(dict(adaptive_vs_fixed=_adaptive_vs_fixed(rows, log=final)))
     out = pathlib.Path(_F.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": _F.model or "SmolLM2-135M-Instruct (embedded)", "drafter": str(_drafter_dir() or ""),
-            "prompts": split or "tiny",
-            "device": str(jax.devices()[0]), "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
-            "jax": jax.__version__, "dtype": "float32", "steps_per_call": _F.steps_per_call,
-            "adaptive_threshold": SpecConfig.threshold if _F.adaptive_threshold is None else _F.adaptive_threshold,
-            "complete": final,
-            "total_seconds": time.perf_counter() - t_start, "load_average_end": os.getloadavg()}
+            "prompts": split or "tiny", "device": str(jax.devices()[0]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)", "jax": jax.__version__,
+            "dtype": "float32", "steps_per_call": SpecConfig.steps_per_call, "adaptive_threshold": SpecConfig.threshold,
+            "complete": final, "total_seconds": time.perf_counter() - t_start, "load_average_end": os.getloadavg()}
     if "eagle" in drafters and (pathlib.Path(_drafter_dir()) / "warmup.json").exists():
         meta["warmup"] = json.loads((pathlib.Path(_drafter_dir()) / "warmup.json").read_text())
-    out.write_text(json.dumps({"meta": meta, "summary": summary, "step_breakdown_b1": breakdown, "rows": rows},
-                              indent=1, default=_np))
+    out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1, default=_np))
     if final:
         print(f"wrote {out} in {meta['total_seconds']:.0f}s")
 
@@ -514,17 +308,10 @@ def _adaptive_vs_fixed(rows, log: bool = True) -> list[dict]:
         best = max(fixed, key=lambda r: r["speedup"])
         plain = next(r for r in fixed if r["config"] == "plain")
         for ada in (r for r in cell if r["drafter"] == "adaptive"):
-            row = dict(
-                temperature=temp,
-                batch=b,
-                adaptive_pass=ada["config"],
-                adaptive_vs_plain=ada["speedup"],
-                best_fixed=f"{best['drafter']} {best['config']}",
-                best_fixed_vs_plain=best["speedup"],
-                adaptive_vs_best=ada["speedup"] / best["speedup"],
-                arm_steps=ada.get("arm_steps"),
-                bandit_choices=ada.get("bandit_choices"),
-            )
+            row = dict(temperature=temp, batch=b, adaptive_pass=ada["config"], adaptive_vs_plain=ada["speedup"],
+                       best_fixed=f"{best['drafter']} {best['config']}", best_fixed_vs_plain=best["speedup"],
+                       adaptive_vs_best=ada["speedup"] / best["speedup"], arm_steps=ada.get("arm_steps"),
+                       bandit_choices=ada.get("bandit_choices"))
             paired = ""
             if ada["config"] == "warm" and len(ada["seconds_passes"]) > 1:
                 # Paired: per warm pass the ratio to plain's / the best arm's time in the same pass, then the median
@@ -536,11 +323,9 @@ def _adaptive_vs_fixed(rows, log: bool = True) -> list[dict]:
                           f"{row['adaptive_vs_best_paired']:.2f}x the best")
             out.append(row)
             if log:
-                print(
-                    f"T={temp} b={b}: adaptive {ada['config']:>4}: {ada['speedup']:.2f}x plain, "
-                    f"{ada['speedup'] / best['speedup']:.2f}x the best fixed arm ({best['drafter']} {best['config']} "
-                    f"{best['speedup']:.2f}x){paired}"
-                )
+                print(f"T={temp} b={b}: adaptive {ada['config']:>4}: {ada['speedup']:.2f}x plain, "
+                      f"{ada['speedup'] / best['speedup']:.2f}x the best fixed arm ({best['drafter']} {best['config']} "
+                      f"{best['speedup']:.2f}x){paired}")
     return out
 
 
