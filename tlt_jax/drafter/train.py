@@ -50,7 +50,7 @@ class DrafterLossConfig:
     # Positions per LM-head chunk of the token loss: target and drafter logits [B, chunk, V] exist one chunk at a time
     # (each chunk's gradient made in the forward pass, nothing recomputed), not [B, T, V] whole. SmolLM2 (V = 49152),
     # 4 x 256 positions: the step's temporaries are 1.10 GB whole, 0.36 GB in chunks of 64, at the same CPU time per
-    # step (0.98x, A/A 0.99x; python benchmarks/drafter_step.py). 0: the whole row at once.
+    # step (0.98x, A/A 0.99x; benchmarks/drafter_step.py at commit e2afc2d, since removed). 0: the whole row at once.
     logit_chunk: int = 64
 
 
