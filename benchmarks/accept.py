@@ -5,21 +5,11 @@ deterministic given the seeds. Issue 60's measure of every drafter.
         [--arms=eagle:8x4x48,eagle:5x1x6,ngram:6x3x16,history:6x3x16] [--drafters=eagle,ngram,history]
         [--max_new_tokens=128] [--out=benchmarks/results/accept_smollm2_cpu.json]
 
-Prompts: held-out problems of the main job's generated sources (``generated_splits`` eval seeds, disjoint from the
-training seeds the drafter warm-up and RL draw from), each with its source's instruction, chat-templated; one GRPO
-group of --n samples per prompt, all of a task's prompts in one ``RolloutEngine.generate`` call, stopping at EOS or
---max_new_tokens. Every engine speculates from its first step (threshold = the batch).
-
-Drafters: "eagle" (--drafter, by default the shipped ``eagle-smollm2-gsm`` of the embedded SmolLM2-135M-Instruct
-policy), "ngram" (trees from the row's prompt + output and its GRPO siblings) and "history": the n-gram drafter with
-the engine's store of earlier calls' responses (``ngram_history_bytes``, issue 60 part 3). A history cell is a
-second epoch: the same prompts with seed --seed fill the store (that call is the n-gram drafter's first epoch), then
-seed --seed + 1 decodes with it ("accept"), against seed --seed + 1 with the store switched off ("control", the same
-samples: its tokens must equal the history run's, ``lossless``). ``epoch2_ratio`` = accept / the first epoch's.
-
---arms: "DxKxN" tree shapes (depth x top-k x verify tokens) crossed with --drafters, or "DRAFTER:DxKxN" for one
-drafter; cells are then filtered by --drafters. TLT's arms: 8x4x48, 8x4x32, 8x4x16, 8x4x8; the CPU chains: 5x1x6
-(EAGLE), 8x1x9 (n-gram). Output: ``args`` (the flags), ``meta`` and ``table`` (one row per drafter, arm, T, task).
+Prompts: held-out problems of the main job's generated sources, chat-templated; a GRPO group of --n samples per
+prompt, a task's prompts in one ``generate`` call, speculating from the first step. Drafters: "eagle" (--drafter),
+"ngram" and "history" (the n-gram drafter with the store of earlier calls' responses: seed --seed fills it, seed
+--seed + 1 decodes with it, against a "control" without it whose tokens must match; ``epoch2_ratio``: accept over the
+first epoch's). --arms: "DxKxN" crossed with --drafters, or "DRAFTER:DxKxN". Output: ``args``, ``meta``, ``table``.
 """
 
 from __future__ import annotations

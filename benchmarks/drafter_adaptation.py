@@ -1,17 +1,10 @@
 """Static vs adaptive EAGLE drafter while the policy drifts (TLT's adaptive drafter, issue 16).
 
-Runs the main job twice on configs/gsm8k.py (SmolLM2-135M-Instruct, small additions at temperature 0.7) from the
-committed warmed-up drafter (shipped in the package: rollout.drafter_path="eagle-smollm2-gsm", warmed up on greedy
-GSM-style responses), with a policy learning rate high enough that the policy drifts: once with the drafter fixed
-(``drafter.online=False``) and once training it online (``drafter.online=True``; ``rollout.num_slices`` slices,
-``drafter.steps_without_idle`` steps after each rollout). Both runs decode with the same fixed tree (``--tree``, from
-the first chunk: 8 rows are under the switch threshold), so accept lengths compare like for like; speculative
-decoding is lossless, so both runs sample the same tokens (checked per step: response lengths and rewards; an fp32
-near-tie between differently shaped verify passes can still flip a sample, and the steps where that happened are
-reported). The final greedy evaluation of each run (the final policy, the same in both, on the held-out prompts)
-reports its accept length too: the drafters compared on more and fixed prompts. Writes
-benchmarks/results/drafter_adaptation.json; the adaptive run's workdir keeps its plots (timeline.png: one step's
-slices busy / idle / training).
+Runs the main job on configs/gsm8k.py (SmolLM2) from the shipped drafter, the policy's learning rate high enough to
+drift it, once per --modes entry: ``static``, ``adaptive`` (trained online on --slices slices), ``adaptive_hot``
+(``drafter.hot_swap``). All decode with one tree (--tree): accept lengths compare like for like, the samples are the
+same (checked per step). Output: per mode and step the accept length, reward, drafter work and idle time, the final
+greedy evaluation's accept length, the adaptive / static ratios; the adaptive run's timeline.png beside the JSON.
 
     python benchmarks/drafter_adaptation.py --steps 8 --lr 2e-5
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/drafter_adaptation.py --steps 12 --lr 5e-5 \
@@ -50,10 +43,8 @@ def main() -> None:
     ap.add_argument("--steps_without_idle", type=int, default=4)
     ap.add_argument("--tree", default="5x1x6", help="EAGLE tree of both runs (depth x topk x verify tokens)")
     ap.add_argument("--max_new_tokens", type=int, default=256)
-    ap.add_argument("--kl_coef", type=float, default=1e-3,
-                    help="rl.kl_coef: > 0 keeps the starting policy as reference, so train/kl_loss measures the drift")
-    ap.add_argument("--modes", default="static,adaptive",
-                    help="static, adaptive, adaptive_hot (adaptive with drafter.hot_swap: needs --slices >= 2)")
+    ap.add_argument("--kl_coef", type=float, default=1e-3, help="rl.kl_coef (> 0: train/kl_loss measures the drift)")
+    ap.add_argument("--modes", default="static,adaptive", help="static, adaptive, adaptive_hot (--slices >= 2)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--workdir", default=None,
                     help="default: a fresh temporary directory; an earlier run's resumes each mode from its last "
@@ -110,9 +101,8 @@ def main() -> None:
         }
     s = out["modes"]["static"]
     half = len(s["accept_length"]) // 2  # after the drift: the second half of the run
-    # Same samples: per step, the response lengths of every run (lengths.jsonl) and the rewards. Verification is
-    # lossless, but sampled tokens are a function of the policy's fp32 logits, which differ in the last bits between
-    # verify-tree and plain-step shapes: a near-tie can flip one sample (greedy runs stay identical).
+    # Same samples: per step, every run's response lengths (lengths.jsonl) and rewards. The fp32 logits differ in the
+    # last bits between verify-tree and plain-step shapes: a near-tie can flip a sample (greedy runs stay identical).
     lengths = {n: [json.loads(x)["lengths"] for x in (root / n / "lengths.jsonl").read_text().splitlines()]
                for n in names}
     out["steps_with_other_samples"] = [

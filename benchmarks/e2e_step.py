@@ -1,29 +1,14 @@
 """End-to-end RL step time breakdown: rollout (and its tail), log-prob recomputation, reward, policy update.
 
-Runs the main job (``tlt_jax.main.run``) on each config for a few steps in a scratch workdir and reads back the
-per-step metrics it records. Step 1 includes XLA compiles (persistent compilation cache on, so a second invocation is
-closer to steady state); steps >= 2 are reported as steady state. Modes (``--modes``) change only how the rollout is
-decoded, so every mode samples the same tokens: the script asserts identical rewards per step across modes.
-
-- ``off``: plain decoding, no drafter.
-- ``ngram``: the model-free n-gram drafter, one tree shape (``rollout.spec_*``).
-- ``static``: TLT's baseline, a fixed EAGLE drafter (``--drafter``, default the shipped warmed-up one) with one
-  tree shape (``--static_tree``), tree decoding once a wave has <= ``rollout.spec_threshold`` live rows.
-- ``adaptive``: the bandit over ``--spec_arms`` with the drafter frozen.
-- ``tlt``: the adaptive engine and the drafter trained online on the policy's rollouts (``drafter.online``).
-- ``config``: the config file as it is (configs/gsm8k.py is ``tlt``).
-
-Modes run one after the other, so a drift in the machine's speed lands in their ratios (``--repeats``, alternating
-their order, is in this script at commit ff7a568); ``--paired`` cancels it.
-
-``--paired MODE`` runs one training run instead, in which every rollout is decoded twice, back to back, on the same
-policy weights, prompts and seed: once by an "off" engine and once by MODE's engine (off / ngram / static / adaptive /
-tlt; with tlt the "off" engine pairs with the controlled rollout's one slice, and the drafter's training after each
-rollout stays outside both timings), alternating which goes first. It checks that both sampled the same tokens, trains
-on MODE's result, and compares the two rollouts' seconds step by step, so a drift of the machine's speed over minutes
-cancels. Background compiles and parameter updates still pending when the next timed rollout starts are waited for
-first, outside both timings, and reported ("drain"); checkpoints are written synchronously (an asynchronous write
-would overlap the next step's first rollout, always the same engine's at a given step).
+Runs the main job (``tlt_jax.main.run``) on each config for a few steps in a scratch workdir and reads back its
+per-step metrics (step 1 includes the compiles; steps >= 2 are the steady state). Modes change only the decoding, so
+all sample the same tokens (rewards asserted identical): ``off``, ``ngram``, ``static`` (TLT's baseline: a fixed EAGLE
+drafter and tree), ``adaptive`` (the bandit over --spec_arms), ``tlt`` (adaptive, the drafter trained online),
+``config`` (the file as it is). They run one after the other, so a drift in the machine's speed lands in their ratios
+(``--repeats``: commit ff7a568); ``--paired MODE`` cancels it: one training run whose every rollout is decoded back to
+back by an "off" engine and by MODE's (alternating which goes first; work still pending waited for outside both
+timings, "drain"), compared step by step. Output: per config and mode the phases' steady medians and sums and the
+ratios against off, or the paired summary.
 
     python benchmarks/e2e_step.py --configs gsm8k --modes off,static,tlt --steps 6   # the default run's table
     python benchmarks/e2e_step.py --configs tiny --steps 10 --modes off,ngram
@@ -33,7 +18,6 @@ would overlap the next step's first rollout, always the same engine's at a given
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -51,25 +35,17 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 RESULTS = Path(__file__).parent / "results" / "e2e_step.json"
 PHASES = ("time/rollout_s", "time/tail_s", "time/logprob_s", "time/reward_s", "time/train_s", "time/step_s")
 DEFAULT_STEPS = {"tiny": 20, "gsm8k": 2}
-# Keep the benchmark about the training step: no periodic evaluation (the final one stays). The data split is left
-# as the config has it (data.eval_size picks the held-out seeds, so changing it would change the training prompts
-# and the run would no longer follow the default run's trajectory).
+# No periodic evaluation (the final one stays); the data split as the config has it (data.eval_size picks the held-out
+# seeds: changing it would change the training prompts, and the run would leave the default run's trajectory).
 OVERRIDES = {"gsm8k": {"eval.every_steps": 0}, "tiny": {}}
 
 
 def load_config(name: str, overrides: dict):
-    from tlt_jax.config import from_config_dict
+    """configs/NAME.py with ``overrides`` ({"rollout.spec_depth": 5, ...})."""
+    from tlt_jax.config import config_file, from_config_dict
 
-    spec = importlib.util.spec_from_file_location(f"cfg_{name}", REPO / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cd = module.get_config()
-    for key, value in overrides.items():
-        *parents, leaf = key.split(".")
-        node = cd
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    cd = config_file(str(REPO / "configs" / f"{name}.py"), name).get_config()
+    cd.update_from_flattened_dict(overrides)
     return from_config_dict(cd)
 
 
@@ -91,9 +67,8 @@ def summarise(rows: list[dict]) -> dict:
 
     steady = rows[1:] or rows
     out = {"first_step": {k: rows[0].get(k) for k in PHASES}, "steady_median": {k: med(k, steady) for k in PHASES}}
-    # Steps differ in length (responses shorten or grow as the policy learns), so modes compare best on sums over
-    # the same steps; compile seconds (new batch / length / arm shapes met mid-run) are inside the rollout seconds;
-    # background compiles (the adaptive engine's new verify steps) ran beside the rollout, which did not wait for them.
+    # Steps differ in length as the policy learns: modes compare on sums over the same steps. Compile seconds (shapes
+    # met mid-run) are inside the rollout's; background compiles ran beside it, which did not wait for them.
     out["steady_sum"] = {k: sum(r.get(k) or 0.0 for r in steady)
                          for k in (*PHASES, "rollout/compile_s", "rollout/background_compile_s")}
     s = out["steady_median"]
@@ -189,10 +164,9 @@ def compare_to_off(off: dict, res: dict) -> dict:
 
 
 class PairedRollout:
-    """Benchmark harness (``--paired``): decodes every rollout with both engines, on the same weights, prompts and
-    seed, alternating which goes first; checks the tokens are the same; returns ``other``'s result. With ``chunks``
-    each call's record keeps both engines' host round trips (``CHUNK_KEYS`` of ``stats["chunks"]``; at commit
-    ff7a568 this script also summarised them: ``steady_chunk_split``)."""
+    """``--paired``: decodes every rollout with both engines (same weights, prompts and seed, alternating which goes
+    first), checks the tokens are the same and returns ``other``'s result; with ``chunks`` each call's record keeps
+    both engines' host round trips (``CHUNK_KEYS``; ``steady_chunk_split`` at commit ff7a568)."""
 
     CHUNK_KEYS = ("batch", "active", "length", "choice", "seconds", "tokens", "lag_tokens", "steps", "first_run",
                   "compile_overlap", "catchup_seconds", "waited_for")
@@ -233,13 +207,11 @@ class PairedRollout:
     def generate(self, prompts, params, **kwargs):
         order = ("base", "other") if len(self.calls) % 2 == 0 else ("other", "base")
         rec, results = {"first": order[0], "temperature": params.temperature}, {}
-        # What XLA's compile threads and the pool's worker ran since the last pair: the mode's background compiles
-        # beside the policy update, whose cost lands there, outside both timings (an upper bound, in CPU seconds).
+        # CPU seconds of XLA's compile threads and the pool's worker since the last pair (outside both timings)
         now = thread_cpu_seconds()
         rec["between_thread_cpu_s"] = {k: round(v - self._threads.get(k, 0.0), 3) for k, v in now.items()
                                        if v - self._threads.get(k, 0.0) >= 0.005}
-        # compile_between_calls: the mode's compiles wait for both rollouts of the pair (as for its own rollout in a
-        # run), so none runs beside the "off" engine's either
+        # compile_between_calls: the mode's compiles wait for both rollouts of the pair, not only for its own
         hold = getattr(self.other, "compile_between_calls", False) and not self.other.pool.held
         if hold:
             self.other.pool.hold()
@@ -318,8 +290,7 @@ def bench_paired(name: str, steps: int, mode: str, arms: str = ADAPTIVE_ARMS, dr
     """One training run of ``mode`` whose every rollout is also decoded by an "off" engine (``PairedRollout``)."""
     if mode not in ("off", "ngram", "static", "adaptive", "tlt"):
         raise ValueError(f"--paired takes off, ngram, static, adaptive or tlt, got {mode!r}")
-    # checkpoints are written synchronously here: an asynchronous write would run beside the next step's first
-    # rollout, and the alternation puts a given step's first rollout always on the same engine
+    # synchronous checkpoints: an asynchronous write would slow the next step's first rollout, always the same engine's
     common = {**OVERRIDES.get(name, {}), "train.num_steps": steps, "metrics.progress_bars": False,
               "eval.at_start": False, "checkpoint.async_save": False, **(extra or {})}
     cfg_off = load_config(name, {**common, **mode_overrides("off", arms, drafter, static_tree)})
@@ -356,16 +327,14 @@ def summarise_paired(steady: list[dict]) -> dict:
     off_s, mode_s = total("base_s"), total("other_s")
     drain = total("base_drain_s") + total("other_drain_s")
     off_nc, mode_nc = off_s - total("base_compile_s"), mode_s - total("other_compile_s")
-    # Whichever engine goes first may run on a different machine state (right after the update): the ratio over
-    # the steps where "off" went first and over those where the mode did, and their geometric mean, which cancels
-    # an order effect that scales both rollouts alike (a crossover design).
+    # The ratio over the steps where "off" went first and over those where the mode did, and their geometric mean
+    # (a crossover design: it cancels an order effect that scales both rollouts alike).
     by_order = {}
     for first in ("base", "other"):
         sel = [c for c in steady if c["first"] == first]
         by_order[first] = total("base_s", sel) / total("other_s", sel) if sel else None
     crossover = math.sqrt(by_order["base"] * by_order["other"]) if all(by_order.values()) else None
-    # A 90 % bootstrap interval of the sum ratio over the steps (resampled with a fixed seed): steps are the unit
-    # of noise here, not runs.
+    # A 90 % bootstrap interval of the sum ratio, the steps resampled (fixed seed): steps are the unit of noise here
     rng = random.Random(0)
     boot = sorted(total("base_s", sample) / total("other_s", sample)
                   for sample in ([rng.choice(steady) for _ in steady] for _ in range(2000)))
@@ -387,9 +356,8 @@ def summarise_paired(steady: list[dict]) -> dict:
 
 
 def combine_paired(paths: list[str], skip_steps: tuple[int, ...] = ()) -> dict:
-    """Pool the steady paired steps of several ``--paired`` result files (same config; different modes are pooled
-    too, and the summary's mode names them all, e.g. "adaptive+tlt") into one summary, leaving out the steps
-    numbered in ``skip_steps`` (1-based, in every file)."""
+    """One summary of the steady paired steps of several ``--paired`` result files (same config; modes pooled too,
+    e.g. "adaptive+tlt"), without the steps numbered in ``skip_steps`` (1-based, in every file)."""
     runs = [json.loads(Path(p).read_text())["configs"] for p in paths]
     out = {}
     for name in runs[0]:

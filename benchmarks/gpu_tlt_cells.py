@@ -1,10 +1,6 @@
-"""The cells of ``gpu_tlt.py``: speculative decoding side by side with plain decoding (``speculative.py``'s
-workload and tallies), the adaptive engine beside them, and one RL run of ``e2e_step.py``'s config and modes.
-
-Nothing here raises on a token mismatch: on a GPU, bf16 / TF32 arithmetic (and reduction orders that depend on the
-batch shape) may break exact equality between speculative and plain decoding, so every mismatch is counted and
-recorded instead (``mismatched_rows``); ``gpu_tlt.py`` runs the decoding cells under fp32 and the highest matmul
-precision, where the engine's tokens are expected to be identical.
+"""The cells of ``gpu_tlt.py``: speculative decoding beside plain decoding (``speculative.py``'s workload and tallies)
+and the adaptive engine, and one RL run of ``e2e_step.py``. Token mismatches against plain (bf16 / TF32, batch-shaped
+reduction orders on a GPU) are counted in ``mismatched_rows``, never raised.
 """
 
 from __future__ import annotations
@@ -26,17 +22,14 @@ def temp_key(temperature: float) -> str:
     return "greedy" if temperature == 0 else f"t{temperature:g}"
 
 
-def layers_kwargs(layers: str) -> dict:
-    """The engine's layer layout ("auto": the main job's choice on this backend, unstacked on a GPU)."""
-    return {"layers": ("unstacked" if jax.default_backend() == "gpu" else "stacked") if layers == "auto" else layers}
-
-
 class Decoding:
     """The decoding cells' engines, one set per batch (kept across cells, so a later cell reuses the compiles)."""
 
     def __init__(self, policy, drafters: dict, prompts, stops, *, steps_per_call: int = 4, layers: str = "auto"):
         self.policy, self.drafters, self.prompts, self.stops = policy, drafters, prompts, stops
-        self.steps_per_call, self.layout = steps_per_call, layers_kwargs(layers)
+        if layers == "auto":  # the main job's choice on this backend
+            layers = "unstacked" if jax.default_backend() == "gpu" else "stacked"
+        self.steps_per_call, self.layout = steps_per_call, {"layers": layers}
         self.engines: dict[tuple[int, str], RolloutEngine] = {}
 
     def _kw(self, b: int, n_new: int) -> dict:
@@ -68,10 +61,8 @@ class Decoding:
 
     def cell(self, b: int, n_new: int, temperature: float, arms: list[str], *, b1_prompts: int, passes: int,
              log=print) -> dict:
-        """Plain and ``arms`` at starting batch ``b``: one untimed pass (compiles, first runs; an adaptive engine's
-        "cold" pass with a fresh bandit), then ``passes`` interleaved timed passes (plain first and again last, the
-        arms' order reversed every other pass); each arm's figures are medians of its per-pass ratios to plain's
-        time of the same pass."""
+        """Plain and ``arms`` at starting batch ``b``: one untimed pass (compiles; an adaptive engine's "cold" pass),
+        then ``passes`` interleaved timed passes; each arm's figures are medians of its per-pass ratios to plain."""
         engines = {"plain": self.engine(b, n_new, "plain")} | {a: self.engine(b, n_new, a) for a in arms}
         for a, e in engines.items():
             if a.startswith("adaptive:"):
@@ -141,9 +132,8 @@ def _ms_per_step(tallies) -> float | None:
 
 
 def e2e_run(name: str, mode: str, steps: int, extra: dict, drafter: str, arms: str = e2e.ADAPTIVE_ARMS) -> dict:
-    """One run of the main job (``e2e_step.bench``); the record keeps every response's length per step
-    (pod_model.validate_run predicts the rollouts from them), the prompt lengths and the engine's shape; steady
-    figures are sums over the steps after the first (compiles)."""
+    """One run of the main job (``e2e_step.bench``) with every response's length per step and the engine's shape
+    (``pod_model.validate_run`` reads them); steady figures: sums over the steps after the first (compiles)."""
     r = e2e.bench(name, steps, mode, arms, drafter, "5x1x6", extra)
     per_step = [dict(step=s["step"], step_s=s["time/step_s"], rollout_s=s["time/rollout_s"],
                      compile_s=s["rollout/compile_s"] or 0.0, train_s=s["time/train_s"],

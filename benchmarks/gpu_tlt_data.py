@@ -1,21 +1,13 @@
-"""``gpu_tlt.py``'s prompts as files, for a machine without reasoning-gym (the GPU image: several of its
-dependencies have no wheels, so it cannot be installed there). Written here, read there:
+"""``gpu_tlt.py``'s prompts as files, for a machine without reasoning-gym (the GPU image cannot install it):
 
     python benchmarks/gpu_tlt.py --prepare_data=DIR   # here, with gpu_tlt's RL flags (--prompts, --set)
     python3 benchmarks/gpu_tlt.py --data_dir=DIR ...   # there: nothing imports reasoning_gym
 
-The folder (about 0.1 MiB) holds GSM8K-format ``.jsonl``
-files (``{"question", "answer": "#### N", "id"}``), the format ``data.source="gsm8k_file"`` reads:
-
-- ``decode.jsonl``: the decoding cells' prompts, the held-out GSM-style problems that
-  ``load_policy_and_prompts(model, 64, seed, "eval")`` generates (gsm_symbolic eval split, EVAL_SIZE problems);
-- ``train.jsonl`` / ``eval.jsonl``: the RL cells' training and evaluation sets, the very examples, in order, that the
-  RL config's data block (configs/gsm8k.py with gpu_tlt's overrides: source, sizes, seeds) generates; the RL cells
-  read them as ``data.source=gsm8k_file`` with that source's instruction (``data.instruction``);
-- ``data.json``: what was generated and each file's sha256. A run checks the files and that its RL config asks for
-  the same data, and refuses otherwise, naming the difference and the fix.
-
-``prepare`` reads every file back through ``load_gsm8k_file`` and checks the questions and answers it gets.
+DIR (about 0.1 MiB) holds GSM8K-format ``.jsonl`` files (``{"question", "answer": "#### N", "id"}``, read as
+``data.source="gsm8k_file"``): ``decode.jsonl`` (the decoding cells' held-out gsm_symbolic prompts), ``train.jsonl``
+/ ``eval.jsonl`` (the very examples, in order, that the RL config's data block generates) and ``data.json`` (what was
+generated and each file's sha256). ``prepare`` reads every file back and checks it; a run checks the files and that
+its RL config asks for the same data, and refuses otherwise, naming the difference and the fix.
 """
 
 from __future__ import annotations
@@ -37,7 +29,6 @@ class DataError(RuntimeError):
     """The data folder is missing, incomplete, corrupt or was prepared for another RL config."""
 
 
-
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file renamed into place: a reader never sees a partial file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
@@ -49,6 +40,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
 
 def rl_key(data_cfg) -> dict | None:
     """What the RL cells' data block generates (None: a source that needs no generator, e.g. gsm8k_file)."""
@@ -62,30 +54,23 @@ def rl_key(data_cfg) -> dict | None:
     return key
 
 
-def _write_rows(path: Path, examples: list[dict]) -> str:
-    text = "".join(json.dumps({"question": ex["question"], "answer": f"#### {ex['ground_truth']}", "id": ex["id"]})
-                   + "\n" for ex in examples)
-    atomic_write(path, text.encode())
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _read_questions(path: Path) -> list[tuple[str, str]]:
+def _file(out: Path, name: str, examples: list[dict]) -> dict:
+    """``examples`` written to out/name in the GSM8K format, read back through ``load_gsm8k_file`` and checked: the
+    manifest's entry of the file."""
     from tlt_jax.data import load_gsm8k_file
 
-    f = load_gsm8k_file(path, lambda q: q)
+    text = "".join(json.dumps({"question": ex["question"], "answer": f"#### {ex['ground_truth']}", "id": ex["id"]})
+                   + "\n" for ex in examples)
+    atomic_write(out / name, text.encode())
+    f = load_gsm8k_file(out / name, lambda q: q)
     if f.num_skipped:
-        raise DataError(f"{path}: {f.num_skipped} malformed rows {f.skipped_by_reason}")
-    return [(ex["question"], ex["ground_truth"]) for ex in f.examples]
-
-
-def _file(out: Path, name: str, examples: list[dict]) -> dict:
-    sha = _write_rows(out / name, examples)
+        raise DataError(f"{out / name}: {f.num_skipped} malformed rows {f.skipped_by_reason}")
     want = [(ex["question"], ex["ground_truth"]) for ex in examples]
-    got = _read_questions(out / name)
+    got = [(ex["question"], ex["ground_truth"]) for ex in f.examples]
     if got != want:
         bad = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
         raise DataError(f"{out / name}: row {bad} reads back as {got[bad : bad + 1]}, generated {want[bad : bad + 1]}")
-    return {"file": name, "rows": len(examples), "sha256": sha}
+    return {"file": name, "rows": len(examples), "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
 def prepare(out_dir: str | os.PathLike, rl_data, decode_size: int | None = None) -> dict:

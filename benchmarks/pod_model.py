@@ -1,18 +1,17 @@
 """Pod model of one RL step: the rollout engine's own host loop on simulated steps, charged by a cost model.
 
-The loop is ``tlt_jax.rollout.run.GenerateRun`` itself (waves, K-step chunks, compaction, length buckets, the switch
-to speculative calls at <= threshold live rows) on ``SimEngine``, whose step pool hands out host functions in place of
-compiled steps: they advance a host decode state (a row stops at its drawn response length, as at an EOS; a plain
-chunk emits up to K tokens per live row; an EAGLE verify step emits the accept length per row on average, through a
-fractional carry, at most depth + 1) and charge each call's cost to a virtual clock, which the loop's own timing reads
-(``run.time`` is swapped for it during a call). Costs: ``Roofline`` (Qwen2.5-7B / 32B on H100) or ``GpuCosts``.
+``SimEngine`` runs ``tlt_jax.rollout.run.GenerateRun`` itself (waves, K-step chunks, compaction, length buckets,
+speculative calls at <= threshold live rows) with host functions in place of compiled steps: a row stops at its drawn
+length, a verify step emits the accept length per row on average (a fractional carry, at most depth + 1), and each
+call's cost goes to a virtual clock that the loop's own timing reads. Costs: ``Roofline`` (Qwen2.5-7B / 32B on H100)
+or ``GpuCosts``. The pod: one step's responses dealt round-robin to its engines, the slowest engine's rollout, then
+the log-prob and update passes. Accept lengths are this project's CPU measurements (``accept.py``; a static drafter's
+x the static / adaptive ratio ``drafter_adaptation.py`` measured after the policy drifted); TLT's drafter trains in
+the other engines' idle time (``tlt_jax.controller.scheduler.simulate``).
 
-The pod: one step's responses dealt round-robin to devices / tp engines, the slowest engine's rollout, then the
-policy's log-prob and update passes. Accept lengths are this project's CPU measurements: TLT's drafter accepts what
-``accept.py`` measured, a static one that x the static / adaptive ratio ``drafter_adaptation.py`` measured after the
-policy drifted; TLT's drafter trains in the other engines' idle time (``tlt_jax.controller.scheduler.simulate``).
-
-    python benchmarks/pod_model.py [--accept=PATH] [--tasks=gsm_symbolic,arithmetic]   # -> results/pod_model.json
+    python benchmarks/pod_model.py [--accept=PATH] [--tasks=gsm_symbolic,arithmetic] [--draft_s=S] [--out=PATH]
+        # -> results/pod_model.json; --draft_s: drafting seconds per tree depth (default 0.81 ms, fitted to the TLT
+        # paper's Qwen-32B measurement; 0: the drafter at its roofline)
     python benchmarks/pod_model.py --gpu_costs=PATH[#KEY] --gpu_run=RESULT [--gpu_arm=5x1x6]
         # a gpu_tlt.py run's rollouts predicted from GPU-measured costs (goal: +-15 %) -> results/gpu/pod_model_gpu.json
 
@@ -56,13 +55,16 @@ TOLERANCE = 0.15  # the goal: the pod model within +-15 % of a measured GPU run
 PAPER_STEP_SPEEDUP = {"Qwen2.5-7B": {8: 1.21, 16: 1.45, 32: 1.62, 64: 1.76}, "Qwen2.5-32B": {32: 1.83, 64: 2.12}}
 
 
-class ModelSpec(collections.namedtuple("ModelSpec", "name params layers hidden heads kv_heads head_dim vocab ffn")):
-    """Transformer shape (bf16 weights and KV), from each model's Hugging Face config.json. Drafter: TLT's EAGLE-2
-    layer (one decoder layer + fc(2H -> H); embedding and LM head shared, frozen)."""
+class ModelSpec(collections.namedtuple("ModelSpec", "name params layers hidden heads kv_heads head_dim vocab ffn "
+                                       "draft_vocab", defaults=(32768,))):
+    """Transformer shape (bf16 weights and KV), from each model's config.json. Drafter: TLT's EAGLE-2 layer (a decoder
+    layer + fc(2H -> H); embedding and LM head shared, frozen). Drafting reads ``draft_vocab`` rows of the LM head (the
+    GPU recipes' ``--draft_vocab=32768``, as EAGLE-3); the policy's verify forward and drafter training read all."""
 
     kv_bytes_per_token = property(lambda m: 2 * m.layers * m.kv_heads * m.head_dim * 2)
     drafter_params = property(lambda m: 2 * m.hidden * ((m.heads + m.kv_heads) * m.head_dim + 1.5 * m.ffn + m.hidden))
     head_params = property(lambda m: m.vocab * m.hidden)
+    draft_head_params = property(lambda m: min(m.draft_vocab, m.vocab) * m.hidden)
 
 
 QWEN25_7B = ModelSpec("Qwen2.5-7B", 7.62e9, 28, 3584, 28, 4, 128, 152064, 18944)
@@ -70,12 +72,16 @@ QWEN25_32B = ModelSpec("Qwen2.5-32B", 32.8e9, 64, 5120, 40, 8, 128, 152064, 2764
 SETUPS = ((QWEN25_7B, 4, 512), (QWEN25_32B, 8, 2048))  # (model, tp, responses per RL step)
 
 # bw_eff 0.75: the TLT paper's Table 2 (Qwen-7B, H100, batch 1, no SD: 164.65 tok/s = 6.07 ms per token) over the bf16
-# weight-read roofline (15.2 GB / 3.35 TB/s = 4.55 ms). draft_s 0.81 ms per tree depth: the paper's Qwen-32B, TP 4,
-# batch-1 point (depth 10, top-4, 64 tokens: accept 8.29 at 3.51x, so a verify step costs 2.36 plain steps, the bare
-# roofline 1.33). Assumed: flop_eff 0.6, train_mfu 0.4, 8 us per all-reduce, 0.3 ms per host round trip.
+# weight-read roofline (15.2 GB / 3.35 TB/s = 4.55 ms). draft_s 0.81 ms per tree depth: a drafting charge above the
+# roofline, fitted to the paper's Qwen-32B, TP 4, batch-1 point (depth 10, top-4, 64 tokens: accept 8.29 at 3.51x, so
+# a verify step costs 2.36 plain steps, the bare roofline 1.33); --draft_s=0 projects without it. Assumed: flop_eff
+# 0.6, train_mfu 0.4, 8 us per all-reduce, 0.3 ms per host round trip.
 Hardware = collections.namedtuple("Hardware", "name hbm_bytes_s flops_s hbm_bytes bw_eff flop_eff train_mfu "
                                   "allreduce_s roundtrip_s draft_s", defaults=(0.75, 0.6, 0.4, 8e-6, 3e-4, 8.1e-4))
 H100 = Hardware("H100 SXM5 80GB (3.35 TB/s HBM3, 989 TFLOP/s dense bf16: NVIDIA datasheet)", 3.35e12, 989e12, 80e9)
+DRAFT_S_NOTE = ("seconds per tree depth charged above the drafter's roofline; the default 0.81 ms is fitted to the "
+                "TLT paper's Qwen-32B measurement (TP 4, batch 1), not measured here; --draft_s=0: the drafter at its "
+                "roofline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +89,9 @@ class Roofline:
     """Costs of one engine's calls (a tp-GPU tensor-parallel group). A forward over b rows x q tokens reading L cache
     positions costs max(bytes / (HBM x bw_eff), FLOPs / (peak x flop_eff)) + 2 x layers all-reduces (tp > 1): bytes =
     (bf16 weights + b x L x KV bytes) / tp, FLOPs = (2 x params x b x q + 4 x layers x heads x head_dim x b x q x L) /
-    tp. A plain step: a policy forward. A verify step: depth - 1 drafter forwards over top-k tokens with the LM head,
-    depth x draft_s, the policy over the tree, a drafter extend; the first verify after plain steps catches the drafter
-    up over their positions (pieces of 8). Compaction: a gather of the dense KV rows. Each call: one round trip."""
+    tp. Plain step: a policy forward. Verify step: depth - 1 drafter forwards over top-k tokens (draft-vocabulary head),
+    depth x draft_s (paper-fitted), the policy over the tree (full head), a drafter extend; after plain steps a catch-up
+    over their positions (pieces of 8). Compaction: a gather of the dense KV rows. Each call: one round trip."""
 
     model: ModelSpec
     hw: Hardware
@@ -100,7 +106,8 @@ class Roofline:
         return t + (2 * m.layers * hw.allreduce_s if self.tp > 1 and attn else 0.0)
 
     def drafter(self, b, q, head: bool) -> float:
-        return self.forward(b, q, 0, self.model.drafter_params + (self.model.head_params if head else 0), attn=False)
+        head_params = self.model.draft_head_params if head else 0
+        return self.forward(b, q, 0, self.model.drafter_params + head_params, attn=False)
 
     def prefill(self, batch, prompts, length):
         return self.forward(prompts, length, length, self.model.params) + self.hw.roundtrip_s
@@ -424,10 +431,9 @@ def compare(predicted: float, measured: float, tolerance: float = TOLERANCE) -> 
 
 
 def validate_run(costs, record: dict, arm: Arm | None = None, threshold=32, tolerance=TOLERANCE) -> dict:
-    """Predicted against measured rollout seconds of one e2e mode of ``gpu_tlt.py`` (``e2e[mode]``: per step every
-    response's ``lengths``, ``rollout_s``, ``compile_s``, ``accept_length``; the run's ``prompt_len``, ``group``,
-    ``max_batch``, ``max_len``), over the steps after the first (compiles), compile seconds left out. With ``arm``
-    the engine speculates at <= threshold live rows at each step's measured accept length."""
+    """Predicted against measured rollout seconds of one e2e mode of ``gpu_tlt.py`` (``e2e[mode]``: its steps'
+    ``lengths``, ``rollout_s``, ``compile_s``, ``accept_length``; ``prompt_len``, ``group``, ``max_batch``,
+    ``max_len``) over the steps after the first, compiles left out; with ``arm``, speculating at <= threshold rows."""
     rows, plen = [], int(round(record["prompt_len"]))
     for s in record["steps"][1:] if len(record["steps"]) > 1 else record["steps"]:
         spec = {} if arm is None else dict(arm=arm, accept=max(1.0, s.get("accept_length") or 1.0), threshold=threshold)
@@ -478,6 +484,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu_variant", default=None, help="with a suite.json: its decode variant (default the fastest)")
     ap.add_argument("--gpu_run", default="", help="with --gpu_costs: the gpu_tlt.py result to predict")
     ap.add_argument("--gpu_arm", default="5x1x6", help="tree of the speculative e2e modes in that check")
+    ap.add_argument("--draft_s", type=float, default=H100.draft_s, help="drafting s per depth (default: paper-fitted)")
     ap.add_argument("--out", default=None, help="default results/pod_model.json (--gpu_costs: results/gpu/...)")
     a = ap.parse_args(argv)
     res = dict(command="python benchmarks/pod_model.py " + " ".join(sys.argv[1:] if argv is None else argv))
@@ -489,17 +496,21 @@ def main(argv=None) -> int:
                   f"{r['measured']:.2f} s ({100 * r['error']:+.1f} %, within +-15 %: {r['within']})"))
     else:
         files = [os.path.relpath(f, HERE.parent) for f in (a.accept, a.drift)]
+        hw = H100._replace(draft_s=a.draft_s)
+        print(f"draft_s = {1e3 * a.draft_s:.2f} ms of drafting per tree depth ({DRAFT_S_NOTE})")
         tasks, drift = a.tasks.split(","), measured_drift(a.drift)
         accept = {t: measured_accept(a.accept, a.tree, t, a.temperature) for t in tasks}
         print(f"accept lengths from {files[0]} (EAGLE {a.tree}, T = {a.temperature}): {accept}; static: {drift:.3f} x "
               f"those ({files[1]})")
-        proj = dict(arm=parse_arm(f"eagle:{a.tree}"), threshold=a.threshold, seeds=[int(s) for s in a.seeds.split(",")])
+        proj = dict(arm=parse_arm(f"eagle:{a.tree}"), threshold=a.threshold, seeds=[int(s) for s in a.seeds.split(",")],
+                    hw=hw)
         res["inputs"] = dict(accept_file=files[0], accept=accept, temperature=a.temperature, drift_file=files[1],
                              static_over_fresh=drift, tree=a.tree, threshold=a.threshold, chunk_size=8,
                              steps_per_call=4, staleness_tau=10.0, run_steps=100, prompt_len=256, group=1,
                              lengths="log-normal, median 32768 / 8, sigma 1, the longest at 32768 (rollout_tail.py)",
-                             hardware=H100._asdict())
-        r = {f"{m.name}, TP {tp}": Roofline(m, H100, tp, 4096) for m, tp, _ in SETUPS}  # a verify step over a plain
+                             draft_vocab=QWEN25_7B.draft_vocab, draft_s=a.draft_s, draft_s_note=DRAFT_S_NOTE,
+                             hardware=hw._asdict())
+        r = {f"{m.name}, TP {tp}": Roofline(m, hw, tp, 4096) for m, tp, _ in SETUPS}  # a verify step over a plain
         res["inputs"]["verify_over_plain_step_b1"] = {  # one, as the engine calls them (4 / 8 per call), 4,096 cached
             k: 2 * c.verify(1, 4096, 4, proj["arm"], accept[tasks[0]]) / c.decode(1, 4096, 8) for k, c in r.items()}
         res["rows"] = []

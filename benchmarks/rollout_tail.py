@@ -1,16 +1,11 @@
 """Long-tail rollout benchmark: RolloutEngine vs a whole-batch ``lax.while_loop`` decode of the same requests.
 
-Workloads (``--workload``), N requests with forced lengths (ignore_eos), greedy decoding, so both implementations
-must emit the same tokens (checked):
-- tail: per-request max_new_tokens drawn from a heavy-tailed (log-normal) distribution with a fixed seed, median ≈
-  max/8, the longest request at the max.
-- equal: every request exactly ``--equal-len`` tokens (no tail): the engine must not lose to the whole-batch loop.
-Both run side by side in one process, after a warm-up call that compiles them, alternating for ``--repeats`` rounds;
-the median wall times are compared. ms per step = wall seconds / the longest request's tokens (both sides).
-
-The whole-batch baseline is this project's own loop (``whole_batch_decoder`` below): prefill the batch, then one
-``while_loop`` over the whole batch until every row is done, finished rows still computing and attention always reading
-the full cache.
+Workloads (``--workload``), N requests with forced lengths (ignore_eos), greedy, tokens checked equal: ``tail``
+(log-normal lengths, median max / 8, the longest at the max) and ``equal`` (every request ``--equal-len`` tokens: the
+engine must not lose). The baseline (``whole_batch_decoder``) prefills the batch, then loops over the whole batch
+until every row is done, attention reading the full cache. Both run after a warm-up call, alternating for --repeats
+rounds; medians compared; ms per step = wall seconds / the longest request's tokens. Output: per model and workload
+the times, speedups, the engine's tail share and chunks by batch bucket (results/rollout_tail.json).
 
     python benchmarks/rollout_tail.py                        # tiny model, then SmolLM2-135M (embedded GGUF)
     python benchmarks/rollout_tail.py --models tiny --repeats 5 --workload both
@@ -47,11 +42,6 @@ def tail_lengths(num: int, max_new: int, seed: int = 0, sigma: float = 1.0) -> l
     lengths = np.clip(np.round(max_new / 8 * np.exp(rng.normal(0.0, sigma, num))), 1, max_new).astype(int)
     lengths[np.argmax(lengths)] = max_new
     return lengths.tolist()
-
-
-def make_prompts(num: int, vocab: int, lo: int, hi: int, seed: int = 1) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab, rng.integers(lo, hi + 1)).tolist() for _ in range(num)]
 
 
 def whole_batch_decoder(model: CausalLM, max_len: int):
@@ -107,7 +97,9 @@ def run_model(name: str, model: CausalLM, args, workload: str = "tail") -> dict:
         max_new = args.max_new if args.max_new else (256 if name != "tiny" else 512)
         lengths = tail_lengths(args.requests, max_new, seed=args.seed)
     load0 = os.getloadavg()[0]
-    prompts = make_prompts(args.requests, cfg.vocab_size, args.prompt_min, args.prompt_max, seed=args.seed + 1)
+    rng = np.random.default_rng(args.seed + 1)  # random prompts of --prompt-min to --prompt-max tokens
+    prompts = [rng.integers(3, cfg.vocab_size, rng.integers(args.prompt_min, args.prompt_max + 1)).tolist()
+               for _ in range(args.requests)]
     max_len = max(map(len, prompts)) + max_new
     engine = RolloutEngine(model, max_batch=args.requests, max_len=max_len, chunk_size=args.chunk)
     params = SamplingParams(temperature=0.0, max_new_tokens=lengths, ignore_eos=True)

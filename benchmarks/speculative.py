@@ -1,38 +1,19 @@
-"""Speculative vs plain decoding in the RolloutEngine, side by side: tokens per verify and tokens/s by active batch,
-drafter and tree shape.
+"""Speculative vs plain decoding in the RolloutEngine, side by side: accept length (tokens per verify) and tokens/s by
+starting batch, drafter and tree shape, with the adaptive engine beside them.
 
     python benchmarks/speculative.py [--model=PATH|tiny] [--drafter=DIR] [--batches=1,2,4,8,16,32]
-        [--temperatures=0,0.9] [--out=benchmarks/results/speculative_smollm2_cpu.json]
+        [--temperatures=0,0.9] [--repeats=N] [--out=benchmarks/results/speculative_smollm2_cpu.json]
 
-Prompts: the held-out GSM-style split (``gsm_symbolic_splits`` eval; the drafter warm-up trains on the disjoint
-training split), chat-templated. Batch b = the first b prompts decoded together from the start (generation stops at
-EOS as in a rollout, so finished rows leave and b is the *starting* active batch); at batch 1, --b1_prompts prompts one
-after the other. At most --tokens new tokens per row (shrinking with the batch to bound the runtime).
-
-Every arm is the same RolloutEngine (chunk of K=8 plain steps, or ``steps_per_call`` verify steps, per host round
-trip; compaction; cache-length buckets); the speculative engines have ``threshold`` >= every batch, so every step is a
-tree step. For every (batch, temperature) and prompt group: plain decoding, each drafter (n-gram; the EAGLE drafter in
---drafter, a ``tlt_jax.drafter.warmup`` output, by default the committed SmolLM2 one in tlt_jax/assets) with each
-tree config ``depth x topk x N`` of that batch (--configs_b1, --configs_small for batch 2-4, --configs_large above),
-then plain again: interleaved, so a drift in the shared machine's load hits every arm alike (plain's time is the mean
-of its two passes). Every speculative run is checked token for token against the plain run with the same seed
-(lossless). Time = the engine's prefill + decode seconds (compilation happens before a step's clock starts, so it is
-excluded); ``decode_speedup`` leaves out the prefill (the same work in every arm). Reports, per (temperature,
-drafter), the best speedup by batch and the smallest batch from which no configuration beats plain.
-
-Adaptive engine (--adaptive): one RolloutEngine holding both drafters, ``SpecConfig(arms=("off", every fixed arm of
-the batch))`` with the engine's default speculation gate (at most 32 live rows, as in TLT), its
-bandit fresh for every (batch, temperature), run after the fixed arms in every interleaved pass. Its first pass is
-"cold" (it pays its learning; an extra pass before the --repeats ones); in the --repeats passes after it, it is "warm"
-(the same bandit, the steady state, as in RL where the bandit carries across steps) and, like every arm, timed by the
-median over those passes: side by side with plain and the best fixed arm on the same passes. The rows also keep
-plain's A/A ratios (its second run of a pass over its first: how far two equal runs differ on this machine) and the
-adaptive engine's speedup over plain pass by pass.
-
---ablate_coupling: every EAGLE tree also runs with ``SpecConfig(coupled=False)`` ("eagle_topk"): sampled rows
-then draft the drafter's deterministic top-k instead of its sample coupled to the verifier's noise. The step's parts
-timed at batch 1 (--breakdown: ``step_breakdown_b1`` of results/speculative_smollm2_cpu_b1.json) and --off_overhead
-are in this script at commit b73bbda.
+Prompts: the held-out GSM-style split, chat-templated; batch b = the first b prompts decoded together to EOS or
+--tokens (the starting batch; at 1, --b1_prompts one after the other). Per (batch, temperature), interleaved passes:
+plain, each drafter (n-gram; EAGLE: --drafter) with each tree ``depth x topk x N`` of the batch (--configs_b1,
+--configs_small at 2-4, --configs_large), the adaptive engine (--adaptive: a bandit over off + those arms, <= 32 live
+rows; its first pass "cold", the --repeats after it "warm"), plain again. Fixed arms speculate at every batch; every
+arm is checked token for token against plain. Time: prefill + decode seconds (no compiles), the median over passes.
+Output: ``meta``, ``rows`` (per cell and arm) and ``summary`` (best speedup by batch, the batch from which nothing
+beats plain, adaptive against the best fixed arm). --ablate_coupling: EAGLE trees also uncoupled ("eagle_topk"). The
+batch-1 step breakdown (--breakdown, now a no-op: ``step_breakdown_b1`` of results/speculative_smollm2_cpu_b1.json)
+and --off_overhead are at commit b73bbda.
 """
 
 from __future__ import annotations
@@ -58,8 +39,7 @@ _F = flags.FLAGS
 DEFAULT_DRAFTER = pathlib.Path(resolve_drafter_path(EMBEDDED_DRAFTER))
 UNCOUPLED = "eagle_topk"  # --ablate_coupling: the EAGLE drafter's deterministic top-k trees for sampled rows too
 flags.DEFINE_string("model", None, "policy (default: embedded SmolLM2; 'tiny' = random tiny model)")
-flags.DEFINE_string("drafter", None, "trained drafter directory (save_drafter format); default with the embedded "
-                    "SmolLM2: the committed warmed-up drafter shipped in tlt_jax/assets (eagle-smollm2-gsm)")
+flags.DEFINE_string("drafter", None, "EAGLE drafter directory (default with the embedded SmolLM2: the shipped one)")
 flags.DEFINE_list("batches", ["1", "2", "4", "8", "16", "32"], "starting active batch sizes")
 flags.DEFINE_list("tokens", ["192", "128", "96", "64", "48", "32"], "new tokens per row, per batch entry")
 flags.DEFINE_list("temperatures", ["0", "0.9"], "sampling temperatures")
@@ -69,12 +49,10 @@ flags.DEFINE_list("configs_small", ["3x1x4", "4x1x5", "3x2x6"], "trees at batch 
 flags.DEFINE_list("configs_large", ["2x1x3", "3x1x4", "3x2x6"], "trees at batch > 4")
 flags.DEFINE_list("drafters", ["ngram", "eagle"], "drafters to run (eagle needs --drafter)")
 flags.DEFINE_integer("b1_prompts", 8, "at batch 1, run this many prompts one after the other (summed)")
-flags.DEFINE_integer("repeats", 1, "interleaved passes per cell; each arm's time is the median over the passes "
-                     "(with --adaptive: after one more pass, the adaptive engine's cold one)")
+flags.DEFINE_integer("repeats", 1, "timed interleaved passes per cell (--adaptive: after one cold pass)")
 flags.DEFINE_bool("breakdown", False, "no-op, kept for the commands in benchmarks/README.md (see the docstring)")
 flags.DEFINE_bool("adaptive", True, "also run the adaptive engine: a bandit over off + every fixed arm of the batch")
-flags.DEFINE_bool("ablate_coupling", False, "also run every EAGLE tree with SpecConfig(coupled=False) (drafter "
-                  "'eagle_topk': sampled rows draft the deterministic top-k, not the verifier-coupled sample)")
+flags.DEFINE_bool("ablate_coupling", False, "also every EAGLE tree with SpecConfig(coupled=False): 'eagle_topk'")
 flags.DEFINE_string("out", "benchmarks/results/speculative_smollm2_cpu.json", "JSON output")
 
 
@@ -102,8 +80,7 @@ class _Tally:
 
     def stats(self) -> dict:
         accept = self.spec_tokens / self.verifies if self.verifies else 1.0
-        # Decode ms per step (a plain step or one verify step, host round trips included): at batch 1 the cost ratio
-        # of a tree step to a plain step, which with the accept length gives the speedup.
+        # Decode ms per plain or verify step, round trips included (at batch 1, with the accept length: the speedup)
         total = getattr(self, "decode_seconds_total", self.decode_seconds)  # adaptive warm: over all warm passes
         ms = 1000 * total / self.steps if self.steps else None
         aa = dict(aa_ratios=self.aa_ratios) if self.aa_ratios else {}
@@ -112,19 +89,17 @@ class _Tally:
 
 
 def _run_cell(arms: dict, groups, params: SamplingParams, repeats: int = 1, adaptive=None):
-    """Run every arm on every prompt group in interleaved passes (per group: plain, each arm, plain again; the arms
-    reversed every other pass); each arm's seconds are the median over ``repeats`` passes, plain's the mean of its two
-    runs per pass; tokens must be identical in every pass. ``adaptive`` (its bandit fresh) joins every pass after the
-    arms, with one extra "cold" pass first; its tallies come back under ("adaptive", "cold" | "warm") with
-    ``ref_seconds`` / ``ref_decode_seconds`` (plain's of the same passes) and ``choices`` (the bandit's counters).
-    Returns (the speculative arms' tallies, plain's)."""
+    """Every arm on every prompt group in interleaved passes (per group: plain, each arm, plain again); each arm's
+    seconds the median over ``repeats`` passes, plain's the mean of its two runs per pass; tokens identical in every
+    pass. ``adaptive`` joins every pass after the arms, with an extra "cold" pass first; its tallies come back under
+    ("adaptive", "cold" | "warm") with plain's ``ref_seconds`` / ``ref_decode_seconds`` of the same passes and the
+    bandit's ``choices``. Returns (the speculative arms' tallies, plain's)."""
     runs = [*arms, "adaptive"] if adaptive is not None else list(arms)
     engines = arms | ({"adaptive": adaptive} if adaptive is not None else {})
     passes = []
     for k in range(repeats + (adaptive is not None)):
         tallies, again = {key: _Tally() for key in runs}, _Tally()
-        # Every other pass runs the arms between plain's two runs in reverse order, so no arm always follows the same
-        # one (an order effect would otherwise favour one arm in every pass).
+        # Every other pass reverses the arms' order, so no arm always follows the same one (an order effect)
         order = runs if k % 2 == 0 else [runs[0], *runs[:0:-1]]
         for g in groups:
             for key in order:
@@ -314,8 +289,7 @@ def _adaptive_vs_fixed(rows, log: bool = True) -> list[dict]:
                        bandit_choices=ada.get("bandit_choices"))
             paired = ""
             if ada["config"] == "warm" and len(ada["seconds_passes"]) > 1:
-                # Paired: per warm pass the ratio to plain's / the best arm's time in the same pass, then the median
-                # (a pass on a slow stretch of the shared machine slows every arm of that pass alike).
+                # Paired: the median over warm passes of the ratio to plain's / the best arm's time in the same pass
                 a_s = np.asarray(ada["seconds_passes"])
                 row["adaptive_vs_plain_paired"] = float(np.median(np.asarray(plain["seconds_passes"]) / a_s))
                 row["adaptive_vs_best_paired"] = float(np.median(np.asarray(best["seconds_passes"]) / a_s))

@@ -18,8 +18,8 @@ never span nodes, and FSDP runs over the 8 nodes' matching GPUs. HSDP proper (FS
 here, i.e. the whole float32 train state of a TP-8 shard on every GPU (32.8 B parameters x 12 bytes of parameter
 and AdamW moments / 8 = 49 GB); ``--config.mesh.data=2 --config.mesh.fsdp=4`` is the hybrid between (FSDP over
 groups of 4 nodes, data-parallel across the 2 groups: twice the train state per GPU of this layout). The log-prob
-passes all-gather 1.8 x the bf16 model per GPU (8 chunks of 256 rows;
-benchmarks/results/logprob_gather_qwen32b_h100x64_recipe_auto.json).
+passes all-gather 1.8 x the bf16 model per GPU (8 chunks of 256 rows; ``steps.logprobs`` of
+benchmarks/results/plan_qwen2p5_32b_h100_8x8.json).
 
 Everything else as configs/qwen2p5_7b_gsm8k.py (``tlt_rollout``: speculation at <= 32 live rows over TLT's arms,
 drafter trained on finished engines, bfloat16 TP copy for the engines), with TLT's 32B batch: 256 prompts x 8 =

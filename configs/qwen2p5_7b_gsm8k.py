@@ -36,7 +36,7 @@ constant, weight decay 0.01, grad clip 1.0, KL loss 0.001 low-var k3, clip 0.2, 
 (16 updates per step). Response cap 2,048 tokens (GSM8K answers are short; TLT's 32K cap is for Eurus math/code).
 Float32 parameters and AdamW state, rematerialised layers. The old-policy and reference log-prob passes run in
 chunks sized by ``rl.logprob_max_gb`` (``rl.logprob_chunk_rows = 0``: 8 chunks of 64 rows at T = 3,072, not 64
-chunks of ``rl.micro_batch_size``; benchmarks/results/logprob_gather_qwen7b_h100x8_recipe_auto.json). Evaluation:
+chunks of ``rl.micro_batch_size``; ``steps.logprobs`` of benchmarks/results/plan_qwen2p5_7b_h100_1x8.json). Evaluation:
 greedy on the first 512 test problems. Memory plan: ``python -m tlt_jax.plan --config=configs/qwen2p5_7b_gsm8k.py
 --shape=qwen2.5-7b --target=h100:1x8``. Not run in this repository's CI (the CPU job is configs/gsm8k.py); reading
 .parquet needs pyarrow.
@@ -86,6 +86,7 @@ def get_config():
     c.reward.num_workers = 8
     c.eval.batch_size = 256
     c.checkpoint.every_steps = 30
+    c.checkpoint.every_minutes = 30  # a step takes minutes: a run killed mid-step loses at most this and one step
     c.checkpoint.max_to_keep = 3
     c.train.num_steps = 116
     return c

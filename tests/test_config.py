@@ -79,6 +79,7 @@ def test_gpu_recipes_need_paths_and_are_tlt(name, batch, mesh, target, engines):
     r = cfg.rollout
     assert (r.speculative, r.spec_threshold, r.num_slices, cfg.drafter.online) == ("adaptive", 32, -1, True)
     assert r.dtype == "bfloat16" and cfg.model.dtype == "bfloat16"  # the engines' copy, as SGLang's
+    assert cfg.checkpoint.every_minutes == 30  # beside every_steps: long steps, so a wall-clock bound too
     assert [str(a) for a in parse_arms(r.spec_arms)] == ["off"] + [f"eagle:8x4x{n}" for n in (48, 32, 16, 8)]
     text = (CONFIGS / name).read_text()
     assert f"python -m tlt_jax.main --config=configs/{name}" in text and "python -m tlt_jax.drafter.warmup" in text

@@ -47,7 +47,6 @@ def test_compile_only_h100_traffic(tmp_path):
     """--compile_only=h100 on the tiny shape: the engine's decode and verify programs compiled by XLA:GPU for an H100
     on this CPU, their must-move bytes from the model's shape and their HLO traffic."""
     pytest.importorskip("jax_plugins.xla_cuda12")
-    import gpu_compile_only
     import gpu_suite
 
     out = tmp_path / "compile_only.json"
@@ -57,7 +56,7 @@ def test_compile_only_h100_traffic(tmp_path):
     assert r["device_kind"] == "NVIDIA H100 80GB HBM3" and r["smoke"]
     progs = r["programs"]
     assert set(progs) == {"decode_b1", "decode_b64", "verify64_b1"}
-    cfg, programs = gpu_suite.SMOKE_LM, gpu_compile_only.programs(True)
+    cfg, programs = gpu_suite.SMOKE_LM, gpu_suite.programs(True)
     kv = cfg.kv_bytes_per_token(2)
     weights = (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (not cfg.tie_word_embeddings)) * 2
     for name, p in progs.items():  # bf16 weights once, each row's KV of the length bucket, what it commits
