@@ -128,9 +128,8 @@ def test_config_key_reaches_the_engine_through_the_builders():
 
 def test_main_job_checkpoints_the_store_and_a_resumed_run_drafts_from_it(tmp_path):
     """The main job with n-gram speculation over a store of earlier steps' responses (every step the same 8 prompts,
-    sampled at T = 0.05, so from step 2 each row's earlier responses predict it): the store is in every checkpoint,
-    and a run
-    stopped after step 2 and resumed speculates at step 3 exactly as the uninterrupted run (same accept length);
+    sampled at T = 0.05, so at step 2 each row's step-1 responses predict it): the store is in the checkpoint, and a
+    run stopped after step 1 and resumed speculates at step 2 exactly as the uninterrupted run (same accept length);
     without the store the same step accepts less (the store is what it drafts from)."""
     from test_main import _assert_same_metrics, _cfg, _train_rows
 
@@ -142,14 +141,14 @@ def test_main_job_checkpoints_the_store_and_a_resumed_run_drafts_from_it(tmp_pat
             "--config.data.synthetic.num_prompts=8", "--config.eval.at_start=False", "--config.eval.every_steps=0",
             "--config.metrics.tensorboard=False", "--config.checkpoint.every_steps=1")
     store = ("--config.rollout.ngram_history_bytes=65536",)
-    run(_cfg("tiny.py", *args, *store, "--config.train.num_steps=3"), str(tmp_path / "whole"))
+    run(_cfg("tiny.py", *args, *store, "--config.train.num_steps=2"), str(tmp_path / "whole"))
+    run(_cfg("tiny.py", *args, *store, "--config.train.num_steps=1"), str(tmp_path / "resumed"))
     run(_cfg("tiny.py", *args, *store, "--config.train.num_steps=2"), str(tmp_path / "resumed"))
-    run(_cfg("tiny.py", *args, *store, "--config.train.num_steps=3"), str(tmp_path / "resumed"))
-    run(_cfg("tiny.py", *args, "--config.train.num_steps=3"), str(tmp_path / "none"))
+    run(_cfg("tiny.py", *args, "--config.train.num_steps=2"), str(tmp_path / "none"))
     whole, resumed, none = (_train_rows(tmp_path / d) for d in ("whole", "resumed", "none"))
     rl = lambda row: {k: v for k, v in row.items() if k.startswith(("reward/", "response/", "train/"))}  # noqa: E731
-    _assert_same_metrics(rl(whole[3]), rl(resumed[3]), 3)
-    assert whole[3]["rollout/accept_length"] == resumed[3]["rollout/accept_length"]
-    assert whole[3]["rollout/accept_length"] > none[3]["rollout/accept_length"] + 0.1, (whole[3], none[3])
-    saved = json.loads((tmp_path / "whole" / "checkpoints" / "2" / "controller" / "metadata").read_text())
-    assert len(saved["ngram_history"]["entries"]) == 2 * 8 * 4  # 2 steps x 8 prompts x 4 samples
+    _assert_same_metrics(rl(whole[2]), rl(resumed[2]), 2)
+    assert whole[2]["rollout/accept_length"] == resumed[2]["rollout/accept_length"]
+    assert whole[2]["rollout/accept_length"] > none[2]["rollout/accept_length"] + 0.1, (whole[2], none[2])
+    saved = json.loads((tmp_path / "whole" / "checkpoints" / "1" / "controller" / "metadata").read_text())
+    assert len(saved["ngram_history"]["entries"]) == 8 * 4  # step 1's 8 prompts x 4 samples

@@ -54,12 +54,12 @@ def _assert_export_is_the_trained_drafter(workdir, step, start):
 
 def test_online_drafter_trains_on_a_bfloat16_rollout_copy(tmp_path):
     """TLT's layout: the engine decodes a bfloat16 copy of the float32 policy (rollout.dtype) and the drafter trains
-    online on that copy's hidden states (computed in bfloat16, as with a float32 copy). The RL metrics are those of
-    the same run without online training (lossless), the drafter trains, and a resumed run restores its buffer and
-    state (the run's last step equals the uninterrupted one's)."""
+    online on that copy's hidden states (computed in bfloat16, as with a float32 copy): the RL metrics are those of
+    the same run without online training (lossless) and the drafter trains. (A resume restores the drafter exactly:
+    test_resume_restores_the_drafter_exactly.)"""
     drafter = _tiny_drafter(_cfg("tiny.py"), tmp_path / "drafter")
     common = ("--config.train.num_steps=2", *QUIET, *TREE, f"--config.rollout.drafter_path={drafter}",
-              "--config.rollout.dtype=bfloat16", "--config.checkpoint.every_steps=1")
+              "--config.rollout.dtype=bfloat16")
     online = ("--config.drafter.online=True", "--config.drafter.lr=3e-3")
     run(_cfg("tiny.py", *common), str(tmp_path / "off"))
     run(_cfg("tiny.py", *common, *online), str(tmp_path / "on"))
@@ -67,11 +67,7 @@ def test_online_drafter_trains_on_a_bfloat16_rollout_copy(tmp_path):
     for step in (1, 2):
         _assert_same_metrics(_rl_only(off[step]), _rl_only(on[step]), step)
         assert on[step]["drafter/steps"] >= 4 and np.isfinite(on[step]["drafter/loss"]), on[step]
-    assert np.load(tmp_path / "on" / "drafter_buffer" / "step_1.npz")["hidden"].shape[0] > 0  # the copy's states
-    short = ("--config.train.num_steps=1",)
-    run(_cfg("tiny.py", *common, *online, *short), str(tmp_path / "resumed"))
-    run(_cfg("tiny.py", *common, *online), str(tmp_path / "resumed"))
-    _assert_same_metrics(_rl_only(on[2]), _rl_only(_train_rows(tmp_path / "resumed")[2]), "resumed")
+    assert on[2]["drafter/buffer_tokens"] > 0  # the copy's hidden states, buffered
 
 
 @pytest.mark.slow
