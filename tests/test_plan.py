@@ -372,7 +372,20 @@ def test_command_line_writes_the_documented_json_and_refuses_a_run_that_does_not
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: config.rl.micro_batch_size")
 
 
-def test_a_tiny_job_compiles_only_programs_the_plan_lists_and_the_plans_figures_are_theirs():
+@pytest.fixture
+def no_persistent_cache():
+    """Compile afresh: on XLA:CPU's simulated devices, a sharded step reloaded from the persistent compilation cache
+    (written by the plans of the same programs earlier in the process) deadlocked in a collective."""
+    from jax._src import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
+
+
+def test_a_tiny_job_compiles_only_programs_the_plan_lists_and_the_plans_figures_are_theirs(no_persistent_cache):
     """A rollout and an evaluation of the sharded tiny run: every key its pool compiled is one the plan lists for
     that phase, and each step the plan compiled at a key the job compiled too has that executable's figures."""
     from tlt_jax.builders import build_data, build_engine, build_model

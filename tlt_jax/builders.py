@@ -216,8 +216,9 @@ def engine_kwargs(cfg, backend: str, drafter=None, longest: int | None = None) -
     """RolloutEngine keyword arguments of the run (``build_engine``'s; the plan's abstract engine takes the same):
     a cache for the ``longest`` prompt (default ``longest_prompt``) and the longest response, the rollout layout on
     ``backend``, the speculative tree or adaptive arms with ``drafter`` (the EAGLE drafter module where the run drafts
-    with one), the n-gram history, RL sampling (top-k / top-p refused by the config, so not compiled) and, with
-    ``drafter.online``, the hidden-state capture of every response.
+    with one), the n-gram history, RL sampling (top-k / top-p refused by the config, so not compiled: a
+    tensor-parallel engine samples its split logits where they lie) and, with ``drafter.online``, the hidden-state
+    capture of every response.
 
     Adaptive: the bandit over ``rollout.spec_arms``, seeded by train.seed (offset per slice:
     ``controller.slices.slice_spec``), so every process (and a rerun) takes the same decisions from the same
