@@ -16,7 +16,9 @@ decode / verify temporaries against this GPU's compile: ``plan_gpu_over_estimate
 H100 on the CPU (abstract bf16 weights, ``layers="unstacked"``, no top-k / top-p), their HLO's ``must_bytes`` (the
 weights, the length bucket's KV, the outputs) against ``moved_bytes`` (``tlt_jax.plan.traffic``) and their weight and
 cache copies: ``decode_b1`` / ``decode_b64`` (7B, cache 4,096, bucket 2,048), ``verify64_b1`` (a 64-token tree),
-``chunk05_b1`` (the 0.5B engine's chunk, cache 512), ``decode_b1_stacked``.
+``chunk05_b1`` (the 0.5B engine's chunk, cache 512), ``decode_b1_stacked``. ``--attention_impl=pallas``: the
+engine with the Triton tree-attention kernel, which takes the whole cache and loads each row's prefix only: its cache
+operands count the length bucket's share (``kernel_cache_fraction``).
 """
 
 from __future__ import annotations
@@ -265,6 +267,8 @@ def main(argv=None) -> int:
                     help="in order; engine_bs1 times the unstacked engine, engine_bs1_stacked the stacked one")
     ap.add_argument("--compile_only", default="", choices=("", "h100", "h200"), help="no GPU: the programs' traffic")
     ap.add_argument("--programs", default="", help="with --compile_only: a comma-separated subset")
+    ap.add_argument("--attention_impl", default="xla", choices=("xla", "pallas"),
+                    help="with --compile_only: the engine's attention (pallas: the Triton tree-attention kernel)")
     args = ap.parse_args(argv)
     if args.compile_only:
         return compile_only_main(args, argv)
@@ -350,8 +354,9 @@ def _spec(verify_tokens: int):
     return SpecConfig(depth=8, topk=3, verify_tokens=verify_tokens, threshold=64)
 
 
-def abstract_engine(cfg: ModelConfig, mesh, p: Program, dtype=jnp.bfloat16) -> Any:
-    """A RolloutEngine over abstract ``dtype`` weights on ``mesh`` (traced construction, as ``tlt_jax.plan``)."""
+def abstract_engine(cfg: ModelConfig, mesh, p: Program, dtype=jnp.bfloat16, attention_impl: str = "xla") -> Any:
+    """A RolloutEngine over abstract ``dtype`` weights on ``mesh`` (traced construction, as ``tlt_jax.plan``) with
+    ``attention_impl`` attention."""
     from flax import nnx
 
     from tlt_jax.distributed import state_shardings
@@ -365,7 +370,8 @@ def abstract_engine(cfg: ModelConfig, mesh, p: Program, dtype=jnp.bfloat16) -> A
 
     def construct(state):
         engine = RolloutEngine(nnx.merge(graphdef, state), mesh, max_batch=max(p.batch, 1), max_len=p.max_len,
-                               batch_buckets=(p.batch,), layers=p.layers, sampling_filters=False, **kw)
+                               batch_buckets=(p.batch,), layers=p.layers, sampling_filters=False,
+                               attention_impl=attention_impl, **kw)
         built.append(engine)
         return engine.params
 
@@ -396,7 +402,7 @@ def analyse(cfg: ModelConfig, p: Program, exe, itemsize: int = 2) -> dict:
     """The report row of one compiled program."""
     from tlt_jax.plan.traffic import hlo_traffic
 
-    t = hlo_traffic(exe.as_text())
+    t = hlo_traffic(exe.as_text(), kernel_cache_fraction=p.length / p.max_len)  # the kernel reads the bucket
     mem = exe.memory_analysis()
     unaliased = mem.output_size_in_bytes - mem.alias_size_in_bytes
     must = must_bytes(cfg, p, itemsize, unaliased)
@@ -439,14 +445,15 @@ def compile_only_main(args, argv) -> int:
     only = tuple(p for p in args.programs.split(",") if p)
     devices = compile_only_devices(f"{args.compile_only}:1x1")
     mesh = make_mesh(MeshConfig(1, 1, 1), devices)
-    out = {"device_kind": devices[0].device_kind, "target": args.compile_only, "jax": jax.__version__,
+    out = {"device_kind": devices[0].device_kind, "target": args.compile_only, "attention_impl": args.attention_impl,
+           "jax": jax.__version__,
            "smoke": args.smoke, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "programs": {}}
     for name, p in programs(args.smoke).items():
         if only and name not in only:
             continue
         cfg = COMPILE_ONLY_SHAPES[p.model]
         t0 = time.perf_counter()
-        engine = abstract_engine(cfg, mesh, p)
+        engine = abstract_engine(cfg, mesh, p, attention_impl=args.attention_impl)
         exe = compile_program(engine, p)
         row = analyse(cfg, p, exe)
         row["compile_seconds"] = time.perf_counter() - t0

@@ -22,9 +22,9 @@ passes all-gather 1.8 x the bf16 model per GPU (8 chunks of 256 rows; ``steps.lo
 benchmarks/results/plan_qwen2p5_32b_h100_8x8.json).
 
 Everything else as configs/qwen2p5_7b_gsm8k.py (``tlt_rollout``: speculation at <= 32 live rows over TLT's arms,
-drafter trained on finished engines, bfloat16 TP copy for the engines), with TLT's 32B batch: 256 prompts x 8 =
-2,048 responses per step, mini-batches of 8 prompts (32 updates per step). Prompts up to 512 tokens (GSM8K's are
-short; TLT's 2,048 is for Eurus), responses up to 2,048. Memory plan: ``python -m tlt_jax.plan
+drafter trained on finished engines, bfloat16 TP copy for the engines, the tree-attention kernel), with TLT's 32B
+batch: 256 prompts x 8 = 2,048 responses per step, mini-batches of 8 prompts (32 updates per step). Prompts up to 512
+tokens (GSM8K's are short; TLT's 2,048 is for Eurus), responses up to 2,048. Memory plan: ``python -m tlt_jax.plan
 --config=configs/qwen2p5_32b_gsm8k.py --shape=qwen2.5-32b --target=h100:8x8``. Not run in this repository's CI.
 """
 

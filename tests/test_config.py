@@ -60,9 +60,9 @@ def test_every_derived_config_uses_the_shared_helper_and_a_user_config_can_deriv
 def test_gpu_recipes_need_paths_and_are_tlt(name, batch, mesh, target, engines):
     """The GPU recipes validate once given a model and data path (placeholders: nothing is read) and are TLT's:
     GRPO hyper-parameters, adaptive speculation over TLT's EAGLE arms at <= 32 live rows, the online drafter, a bfloat16
-    rollout copy, one
-    rollout engine per tensor-parallel group (2 of TP 4 on one 8-GPU node; 8 of TP 8, one per node, on 8 nodes),
-    each on one node of the compile-only target's devices; each documents its command."""
+    rollout copy with the tree-attention kernel, one rollout engine per tensor-parallel group (2 of TP 4 on one 8-GPU
+    node; 8 of TP 8, one per node, on 8 nodes), each on one node of the compile-only target's devices; each documents
+    its command."""
     from tlt_jax.adaptive.arms import parse_arms
     from tlt_jax.distributed import engine_meshes, make_mesh
     from tlt_jax.rl.learner import check_micro_batch
@@ -79,6 +79,7 @@ def test_gpu_recipes_need_paths_and_are_tlt(name, batch, mesh, target, engines):
     r = cfg.rollout
     assert (r.speculative, r.spec_threshold, r.num_slices, cfg.drafter.online) == ("adaptive", 32, -1, True)
     assert r.dtype == "bfloat16" and cfg.model.dtype == "bfloat16"  # the engines' copy, as SGLang's
+    assert r.attention_impl == "pallas"  # the Triton tree-attention kernel in decode and verify
     assert cfg.checkpoint.every_minutes == 30  # beside every_steps: long steps, so a wall-clock bound too
     assert [str(a) for a in parse_arms(r.spec_arms)] == ["off"] + [f"eagle:8x4x{n}" for n in (48, 32, 16, 8)]
     text = (CONFIGS / name).read_text()

@@ -43,17 +43,21 @@ def test_gpu_suite_smoke(tmp_path):
     assert r["decode_hbm_fraction"] == {"1": None, "64": None} and r["engine_bs1_step_over_floor"] is None
 
 
-def test_compile_only_h100_traffic(tmp_path):
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_compile_only_h100_traffic(tmp_path, attention):
     """--compile_only=h100 on the tiny shape: the engine's decode and verify programs compiled by XLA:GPU for an H100
-    on this CPU, their must-move bytes from the model's shape and their HLO traffic."""
+    on this CPU (XLA's attention or the Triton tree-attention kernel), their must-move bytes from the model's shape
+    and their HLO traffic."""
     pytest.importorskip("jax_plugins.xla_cuda12")
     import gpu_suite
 
     out = tmp_path / "compile_only.json"
     assert gpu_suite.main(["--compile_only=h100", "--smoke", "--programs=decode_b1,decode_b64,verify64_b1",
-                           f"--out={out}"]) == 0
+                           f"--attention_impl={attention}", f"--out={out}"]) == 0
     r = json.loads(out.read_text())
-    assert r["device_kind"] == "NVIDIA H100 80GB HBM3" and r["smoke"]
+    assert r["device_kind"] == "NVIDIA H100 80GB HBM3" and r["smoke"] and r["attention_impl"] == attention
+    if attention == "pallas":  # the kernel's custom call takes the whole cache (no copy of its bucket)
+        assert all(p["cache_copies"] == 0 for p in r["programs"].values()), r["programs"]
     progs = r["programs"]
     assert set(progs) == {"decode_b1", "decode_b64", "verify64_b1"}
     cfg, programs = gpu_suite.SMOKE_LM, gpu_suite.programs(True)

@@ -93,6 +93,30 @@ def test_unknown_trip_count_counts_the_body_once():
     assert t.loop_bytes == (128 + 128) + 36 + 12 + 9
 
 
+KERNEL = """HloModule kernel
+
+ENTRY %main (state_cache_k: f32[64,4], q: f32[2,4], lens: s32[1]) -> f32[2,4] {
+  %state_cache_k = f32[64,4]{1,0} parameter(0)
+  %q = f32[2,4]{1,0} parameter(1)
+  %lens = s32[1]{0} parameter(2)
+  %kc = f32[64,4]{1,0} bitcast(%state_cache_k)
+  ROOT %attn = f32[2,4]{1,0} custom-call(%lens, %q, %kc), custom_call_target="TARGET"
+}
+"""
+
+
+def test_a_kernel_reads_the_committed_share_of_a_cache_operand():
+    """A Pallas kernel (Triton or Mosaic custom call) taking the cache whole counts kernel_cache_fraction of it (the
+    tree-attention kernels load no block past a row's length); its other operands, and any other custom call, whole."""
+    small = 4 + 32 + 32  # lens, q, the result
+    for target in ("__gpu$xla.gpu.triton", "tpu_custom_call"):
+        text = KERNEL.replace("TARGET", target)
+        assert hlo_traffic(text).moved_bytes == 1024 + small
+        assert hlo_traffic(text, kernel_cache_fraction=0.5).moved_bytes == 512 + small
+    other = KERNEL.replace("TARGET", "__cublas$gemm")
+    assert hlo_traffic(other, kernel_cache_fraction=0.5).moved_bytes == 1024 + small
+
+
 def test_real_compile_finds_the_stacked_weight_slices():
     """A scan over 4 stacked weights, compiled by XLA:CPU: its body copies each layer's slice out of the stack (what
     XLA:GPU did to the stacked decode layout), once per iteration."""

@@ -12,6 +12,9 @@ operands it reads + the result it writes, where
   the sliced bytes, and the buffer a ``dynamic-update-slice`` or ``scatter`` updates in place counts nothing (its
   written bytes are the update's);
 - a custom call's scratch buffer (a trailing ``s8`` / ``u8`` tuple element) counts nothing;
+- a Pallas kernel's cache operand (a Triton or Mosaic custom call taking a cache buffer whole) counts
+  ``kernel_cache_fraction`` of its bytes: the tree-attention kernels load no block at or past a row's length, so a
+  caller that knows the committed share (the length bucket over the cache's length) passes it (default 1: whole);
 - ``parameter``, ``constant``, ``tuple``, ``get-tuple-element``, ``bitcast`` and control ops move nothing.
 
 A ``while`` body counts ``known_trip_count`` times where XLA knows it, else once (the rollout's decode chunk, a
@@ -49,6 +52,11 @@ _MOVE = {"copy", "transpose", "slice", "dynamic-slice", "concatenate", "convert"
          "parameter", "constant", "tuple", "get-tuple-element", "pad", "reverse"}
 _SLICING = {"slice", "dynamic-slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
+_KERNEL = re.compile(r'custom_call_target="(__gpu\$xla\.gpu\.triton|tpu_custom_call)"')
+
+
+def _flat(mark) -> frozenset:
+    return mark if not isinstance(mark, list) else frozenset().union(*mark)
 
 
 @dataclasses.dataclass
@@ -127,9 +135,11 @@ class Traffic:
 
 
 class _Analysis:
-    def __init__(self, text: str, weights: Callable[[str], bool], cache: Callable[[str], bool]):
+    def __init__(self, text: str, weights: Callable[[str], bool], cache: Callable[[str], bool],
+                 kernel_cache_fraction: float = 1.0):
         self.comps, self.entry = _parse(text)
         self.weights, self.cache = weights, cache
+        self.kernel_cache_fraction = kernel_cache_fraction
         self.t = Traffic()
         self.rows: list[tuple[int, str, str, int]] = []
 
@@ -256,6 +266,7 @@ class _Analysis:
         for i, s in enumerate(subs):
             trial = _Analysis.__new__(_Analysis)
             trial.comps, trial.entry, trial.weights, trial.cache = self.comps, None, self.weights, self.cache
+            trial.kernel_cache_fraction = self.kernel_cache_fraction
             trial.t, trial.rows = Traffic(), []
             trial._walk(s, [op_marks[i + 1]] if i + 1 < len(op_marks) else [], times, in_loop)
             if best is None or trial.t.moved_bytes > best.t.moved_bytes:
@@ -268,7 +279,7 @@ class _Analysis:
 
     def _count(self, comp, ins: _Instr, op_marks: list, marks: dict, times: int, in_loop: bool) -> None:
         shapes = [comp[o].shape if o in comp else "" for o in ins.operands]
-        flat = [m if not isinstance(m, list) else frozenset().union(*m) for m in op_marks]
+        flat = [_flat(m) for m in op_marks]
         fused = _CALLS.search(ins.rest).group(1) if ins.opcode == "fusion" else None
         if fused is not None:
             read, written = self._fusion_bytes(fused, shapes)
@@ -278,6 +289,9 @@ class _Analysis:
             written = self._written(comp, ins) if ins.opcode in _IN_PLACE else shape_bytes(ins.shape)
             if ins.opcode in _IN_PLACE:
                 read -= shape_bytes(shapes[0]) if shapes else 0
+            if ins.opcode == "custom-call" and _KERNEL.search(ins.rest):  # reads each row's prefix only
+                read -= int(sum(shape_bytes(s) for s, m in zip(shapes, flat, strict=True) if "c" in m)
+                            * (1 - self.kernel_cache_fraction))
             if ins.opcode == "custom-call" and ins.shape.startswith("("):
                 scratch = re.findall(r"[su]8\[[0-9,]*\][^,)]*\)\s*$", ins.shape)
                 written -= shape_bytes(scratch[0]) if scratch else 0
@@ -320,7 +334,8 @@ class _Analysis:
 
 def hlo_traffic(text: str, weights: Callable[[str], bool] = lambda n: n.startswith("params"),
                 cache: Callable[[str], bool] = lambda n: n.startswith("state_cache_k") or
-                n.startswith("state_cache_v")) -> Traffic:
+                n.startswith("state_cache_v"), kernel_cache_fraction: float = 1.0) -> Traffic:
     """The traffic of one call of the program in ``text``; ``weights`` / ``cache`` pick entry parameters by name
-    (JAX names them by the argument's pytree path: ``params__layers___0___mlp...``, ``state_cache_k_0_``)."""
-    return _Analysis(text, weights, cache).run()
+    (JAX names them by the argument's pytree path: ``params__layers___0___mlp...``, ``state_cache_k_0_``);
+    ``kernel_cache_fraction``: the share of a cache operand a Pallas kernel reads (module docstring)."""
+    return _Analysis(text, weights, cache, kernel_cache_fraction).run()
