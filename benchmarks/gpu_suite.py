@@ -16,9 +16,8 @@ decode / verify temporaries against this GPU's compile: ``plan_gpu_over_estimate
 H100 on the CPU (abstract bf16 weights, ``layers="unstacked"``, no top-k / top-p), their HLO's ``must_bytes`` (the
 weights, the length bucket's KV, the outputs) against ``moved_bytes`` (``tlt_jax.plan.traffic``) and their weight and
 cache copies: ``decode_b1`` / ``decode_b64`` (7B, cache 4,096, bucket 2,048), ``verify64_b1`` (a 64-token tree),
-``chunk05_b1`` (the 0.5B engine's chunk, cache 512), ``decode_b1_stacked``. ``--attention_impl=pallas``: the
-engine with the Triton tree-attention kernel, which takes the whole cache and loads each row's prefix only: its cache
-operands count the length bucket's share (``kernel_cache_fraction``).
+``chunk05_b1`` (the 0.5B engine's chunk, cache 512), ``decode_b1_stacked``. ``--attention_impl=pallas``: with the
+Triton tree-attention kernel (it loads each row's prefix: its cache operands count the bucket's share).
 """
 
 from __future__ import annotations
@@ -267,8 +266,7 @@ def main(argv=None) -> int:
                     help="in order; engine_bs1 times the unstacked engine, engine_bs1_stacked the stacked one")
     ap.add_argument("--compile_only", default="", choices=("", "h100", "h200"), help="no GPU: the programs' traffic")
     ap.add_argument("--programs", default="", help="with --compile_only: a comma-separated subset")
-    ap.add_argument("--attention_impl", default="xla", choices=("xla", "pallas"),
-                    help="with --compile_only: the engine's attention (pallas: the Triton tree-attention kernel)")
+    ap.add_argument("--attention_impl", default="xla", choices=("xla", "pallas"), help="with --compile_only")
     args = ap.parse_args(argv)
     if args.compile_only:
         return compile_only_main(args, argv)
@@ -355,8 +353,7 @@ def _spec(verify_tokens: int):
 
 
 def abstract_engine(cfg: ModelConfig, mesh, p: Program, dtype=jnp.bfloat16, attention_impl: str = "xla") -> Any:
-    """A RolloutEngine over abstract ``dtype`` weights on ``mesh`` (traced construction, as ``tlt_jax.plan``) with
-    ``attention_impl`` attention."""
+    """A RolloutEngine over abstract ``dtype`` weights on ``mesh`` (traced construction, as ``tlt_jax.plan``)."""
     from flax import nnx
 
     from tlt_jax.distributed import state_shardings
@@ -446,23 +443,19 @@ def compile_only_main(args, argv) -> int:
     devices = compile_only_devices(f"{args.compile_only}:1x1")
     mesh = make_mesh(MeshConfig(1, 1, 1), devices)
     out = {"device_kind": devices[0].device_kind, "target": args.compile_only, "attention_impl": args.attention_impl,
-           "jax": jax.__version__,
-           "smoke": args.smoke, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "programs": {}}
+           "jax": jax.__version__, "smoke": args.smoke, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "programs": {}}
     for name, p in programs(args.smoke).items():
         if only and name not in only:
             continue
         cfg = COMPILE_ONLY_SHAPES[p.model]
         t0 = time.perf_counter()
         engine = abstract_engine(cfg, mesh, p, attention_impl=args.attention_impl)
-        exe = compile_program(engine, p)
-        row = analyse(cfg, p, exe)
+        row = out["programs"][name] = analyse(cfg, p, exe := compile_program(engine, p))
         row["compile_seconds"] = time.perf_counter() - t0
-        out["programs"][name] = row
         print(f"  {name:12} must {row['must_bytes'] / 1e9:7.3f} GB  moved {row['moved_bytes'] / 1e9:7.3f} GB "
               f"({row['moved_over_must']:.3f}x)  weight slice / layout copies {row['weight_slice_copies']} / "
-              f"{row['weight_layout_copies']}  cache copies "
-              f"{row['cache_copies']} concats {row['cache_concats']} transposes {row['cache_transposes']}  "
-              f"[{row['compile_seconds']:.0f} s]", flush=True)
+              f"{row['weight_layout_copies']}  cache copies {row['cache_copies']} concats {row['cache_concats']} "
+              f"transposes {row['cache_transposes']}  [{row['compile_seconds']:.0f} s]", flush=True)
         del engine, exe
     out["goals"] = goals(out["programs"])
     out["command"] = "python benchmarks/gpu_suite.py " + " ".join(sys.argv[1:] if argv is None else argv)
