@@ -58,7 +58,8 @@ def get_config():
     c.drafter.window = 256  # whole responses (up to max_new_tokens) go to the drafter's data buffer
     c.drafter.rows = 4
     c.drafter.row_len = 256
-    # Two rows per micro-batch: the update's temporaries are 0.79 GB, 1.05 GB with four (python -m tlt_jax.plan
+    # Two rows per micro-batch: the update's temporaries were 0.79 GB, 1.05 GB with four; since the optimizer update
+    # is one pass (its new trees wait for the finite check) they are 1.75 GB either way (python -m tlt_jax.plan
     # --config=configs/gsm8k.py --devices=1 --backend=cpu [--config.rl.micro_batch_size=4]), the run's peak memory.
     c.rl.micro_batch_size = 2
     # Recompute each decoder layer in the backward pass (the run's peak memory, issue 42): the update's saved
