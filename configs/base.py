@@ -23,7 +23,7 @@ Blocks (see tlt_jax/config.py and tlt_jax/rollout_config.py for every field and 
   optim       lr, warmup_steps, schedule, final_lr_ratio, weight_decay, b1, b2, eps, max_grad_norm
   reward      num_workers, timeout_s (GSM8K scoring processes), format_weight
   eval        every_steps, at_start, max_new_tokens, batch_size
-  checkpoint  every_steps, every_minutes, max_to_keep, async_save
+  checkpoint  every_steps, every_minutes, stop_lead_s (SLURM's stop before the time limit), max_to_keep, async_save
   metrics     progress_bars, tensorboard
   train       num_steps, seed, max_nonfinite_steps, debug_nan_steps, plan_check (start-up memory plan),
               device_memory_gb

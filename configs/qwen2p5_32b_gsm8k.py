@@ -46,4 +46,7 @@ def get_config():
     c.rl.micro_batch_size = 8
     c.reward.num_workers = 16
     c.train.num_steps = 29  # one GSM8K epoch (7,473 problems / 256)
+    # SLURM's stop ahead of the time limit (launch/slurm/train.sbatch) must outlast a step and a save: ByteDance's 32B
+    # trace in TLT's paper took about 40 min a step on 128 GPUs; check time/step_s in metrics.jsonl.
+    c.checkpoint.stop_lead_s = 3600
     return c

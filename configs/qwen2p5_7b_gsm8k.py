@@ -93,5 +93,8 @@ def get_config():
     c.checkpoint.every_steps = 30
     c.checkpoint.every_minutes = 30  # a step takes minutes: a run killed mid-step loses at most this and one step
     c.checkpoint.max_to_keep = 3
+    # SLURM's stop ahead of the time limit (launch/slurm/train.sbatch): more than a step (512 responses of up to 2,048
+    # tokens, 16 updates: minutes; time/step_s in metrics.jsonl) and a save, or the stop is killed mid-step.
+    c.checkpoint.stop_lead_s = 1800
     c.train.num_steps = 116
     return c

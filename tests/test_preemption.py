@@ -345,6 +345,7 @@ while [[ "$1" == --* ]]; do shift; done  # srun's options; the task is the rest 
 exec "$@"
 """
 FAKE_TASK = """#!/bin/bash
+[[ "$1 $2" == "-m tlt_jax.config_value" ]] && exec "$REAL_PYTHON" "$@"  # the script reads its config: real python
 trap 'echo "task got TERM"; exit 143' TERM
 echo "task $$ $*"
 [[ -n "${FAKE_EXIT:-}" ]] && exit "$FAKE_EXIT"
@@ -360,11 +361,11 @@ echo "$FAKE_TIME_LEFT"
 """
 
 
-def _sbatch(tmp_path, **env_extra) -> tuple[subprocess.Popen, int, str]:
+def _sbatch(tmp_path, *args, **env_extra) -> tuple[subprocess.Popen, int, str]:
     """launch/slurm/train.sbatch run by bash with stand-ins for srun (runs the one task), the task (waits for
     SIGTERM, then exits 143 like the main job) and scontrol (records its arguments); returns the script's process,
     the task's pid and the task's command line; ``proc.head`` holds the script's lines before the task's. squeue
-    answers FAKE_TIME_LEFT (as its %L), or fails without it."""
+    answers FAKE_TIME_LEFT (as its %L), or fails without it. ``args`` go to the script after a step count."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name, text in (("srun", FAKE_SRUN), ("task", FAKE_TASK), ("scontrol", FAKE_SCONTROL), ("squeue", FAKE_SQUEUE)):
@@ -372,9 +373,9 @@ def _sbatch(tmp_path, **env_extra) -> tuple[subprocess.Popen, int, str]:
         (bin_dir / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", MODEL="/m", DATA="/d",
                SLURM_JOB_ID="4242", PYTHON=str(bin_dir / "task"), FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"),
-               **env_extra)
-    proc = subprocess.Popen(["bash", str(REPO / "launch" / "slurm" / "train.sbatch"), "--config.train.num_steps=3"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               REAL_PYTHON=sys.executable, CONFIG=str(REPO / "configs" / "qwen2p5_7b_gsm8k.py"), **env_extra)
+    proc = subprocess.Popen(["bash", str(REPO / "launch" / "slurm" / "train.sbatch"), "--config.train.num_steps=3",
+                             *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc.head = ""
     for line in proc.stdout:
         if line.startswith("task "):
@@ -410,24 +411,29 @@ def test_sbatch_requeues_after_the_time_limit_signal_only(tmp_path):
     assert proc.wait(timeout=30) == 0 and not (tmp_path / "done" / "scontrol.log").exists(), out
 
 
-def test_sbatch_stops_the_tasks_stop_lead_s_before_the_time_limit(tmp_path):
-    """STOP_LEAD_S: with 3 s left by squeue and a lead of 1 s the script stops the task itself about 2 s in (SIGTERM,
-    exit 143, requeue) with no signal from SLURM; squeue's day-hour form is read; a lead that is not whole seconds
-    is refused before srun starts."""
+def test_sbatch_stops_the_tasks_the_configs_stop_lead_before_the_time_limit(tmp_path):
+    """checkpoint.stop_lead_s, read from the run's config and overrides: with 3 s left by squeue and a lead of 1 s
+    the script stops the task itself about 2 s in (SIGTERM, exit 143, requeue) with no signal from SLURM; the
+    recipe's own lead (1800 s) is what it uses without an override; squeue's day-hour form is read; a lead the
+    config refuses stops the script before srun starts."""
     t0 = time.monotonic()
-    proc, _, _ = _sbatch(tmp_path / "lead", FAKE_TIME_LEFT="0:03", STOP_LEAD_S="1")
+    proc, _, args = _sbatch(tmp_path / "lead", "--config.checkpoint.stop_lead_s=1", FAKE_TIME_LEFT="0:03")
     out = proc.stdout.read()
-    assert proc.wait(timeout=30) == 143 and 1.5 <= time.monotonic() - t0 < 20, out
-    assert "3 s left; the tasks are asked to stop and save 1 s (STOP_LEAD_S)" in proc.head, proc.head
+    assert proc.wait(timeout=30) == 143 and 1.5 <= time.monotonic() - t0 < 30, out
+    assert "3 s left; the tasks are asked to stop and save 1 s before the limit" in proc.head, proc.head
+    assert "--config.checkpoint.stop_lead_s=1" in args  # the tasks get the same command line
     assert "task got TERM" in out and "requeueing job 4242" in out, out
     proc, task, _ = _sbatch(tmp_path / "days", FAKE_TIME_LEFT="1-02:03:09")
     os.kill(task, signal.SIGTERM)
     proc.stdout.read()
     assert proc.wait(timeout=30) == 143 and f"{86400 + 2 * 3600 + 3 * 60 + 9} s left" in proc.head, proc.head
-    env = dict(os.environ, MODEL="/m", DATA="/d", SLURM_JOB_ID="1", STOP_LEAD_S="10m")
-    p = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "train.sbatch")], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=30)
-    assert p.returncode == 2 and "STOP_LEAD_S must be whole seconds, got '10m'" in p.stdout, p.stdout
+    assert "stop and save 1800 s before the limit" in proc.head, proc.head
+    env = dict(os.environ, MODEL="/m", DATA="/d", SLURM_JOB_ID="1", PYTHON=sys.executable,
+               CONFIG=str(REPO / "configs" / "qwen2p5_7b_gsm8k.py"))
+    p = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "train.sbatch"), "--config.checkpoint.stop_lead_s=-5"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "cannot read checkpoint.stop_lead_s" in p.stdout, p.stdout
+    assert "config.checkpoint.stop_lead_s: must be >= 0 seconds, got -5" in p.stderr, p.stderr
 
 
 def test_a_stop_cut_short_mid_step_keeps_the_last_checkpoint_and_resumes(tmp_path, reference):

@@ -244,10 +244,13 @@ class EvalConfig:
 class CheckpointConfig:
     """Orbax checkpoints under workdir/checkpoints, every N steps, after the first step that ends ``every_minutes``
     or more after the last save (0 = off; a bound on the work a killed run loses when its steps are long), and at the
-    end."""
+    end. ``stop_lead_s``: launch/slurm/train.sbatch asks the tasks to save and stop this long before the job's time
+    limit; it must exceed the longest RL step plus a save (``time/step_s`` in metrics.jsonl), or the stop is killed
+    mid-step and the requeued run resumes from the save before."""
 
     every_steps: int = 5
     every_minutes: float = 0.0
+    stop_lead_s: int = 1800
     max_to_keep: int = 3
     async_save: bool = True
 
@@ -255,6 +258,7 @@ class CheckpointConfig:
         _require(self.every_steps >= 1, f"{key}.every_steps", "must be >= 1")
         _require(self.every_minutes >= 0 and math.isfinite(self.every_minutes), f"{key}.every_minutes",
                  f"must be >= 0 minutes (0 = no wall-clock checkpoints), got {self.every_minutes}")
+        _require(self.stop_lead_s >= 0, f"{key}.stop_lead_s", f"must be >= 0 seconds, got {self.stop_lead_s}")
         _require(self.max_to_keep >= 2, f"{key}.max_to_keep", "keep >= 2 so a corrupt latest can fall back")
 
 
