@@ -1,6 +1,6 @@
 """One value of the run's resolved config, for launch scripts: the main job's own flags, overrides and validation.
 
-    python -m tlt_jax.config_value --key=checkpoint.stop_lead_s --config=configs/qwen2p5_7b_gsm8k.py [--config.a.b=v ...]
+    python -m tlt_jax.config_value --key=checkpoint.stop_lead_s --config=configs/qwen2p5_7b_gsm8k.py [--config.k=v]
 
 prints the value (JSON for anything but a string or a number). ``launch/slurm/train.sbatch`` reads the stop lead
 this way from the same command line it gives the tasks, so the config is the one place that sets it.
