@@ -97,3 +97,25 @@ def test_accept_length_plot_leaves_gaps_where_nothing_was_speculated(tmp_path):
     _jsonl(os.path.join(wd, "metrics.jsonl"), [{"step": 4, "kind": "final", "eval/accuracy": 0.5,
                                                 "eval/accept_length": 3.0}])
     assert os.path.basename(write_plots(wd)[-1]) == PLOT_FILES["accept"]
+
+
+def test_plotter_redraws_once_a_minute_and_at_the_end(tmp_path):
+    """The main job's Plotter: no redraw before ``every_s`` since the start or the last one, one when it is due (the
+    files appear then), and always the final one."""
+    from tlt_jax.metrics.plots import Plotter
+
+    wd, now = str(tmp_path), [100.0]
+    _jsonl(os.path.join(wd, "metrics.jsonl"), [{"step": 1, "reward/mean": 0.5, "response/len_max": 64}])
+    plots = Plotter(wd, every_s=60.0, clock=lambda: now[0])
+    reward = os.path.join(wd, "plots", PLOT_FILES["reward"])
+    now[0] = 159.0
+    plots()
+    assert plots.redraws == 0 and not os.path.exists(reward)
+    now[0] = 160.0
+    plots()
+    assert plots.redraws == 1 and os.path.exists(reward)
+    now[0] = 200.0
+    plots()
+    assert plots.redraws == 1
+    plots(final=True)
+    assert plots.redraws == 2

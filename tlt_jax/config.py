@@ -18,7 +18,7 @@ import types
 import ml_collections
 
 from tlt_jax.assets import EMBEDDED_DRAFTERS
-from tlt_jax.distributed.mesh import MeshConfig
+from tlt_jax.mesh_config import MeshConfig
 from tlt_jax.rollout_config import DTYPES, DrafterConfig, RolloutConfig
 from tlt_jax.typed_config import ConfigError, as_plain, build
 from tlt_jax.typed_config import require as _require

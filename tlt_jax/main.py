@@ -323,6 +323,7 @@ def _open_outputs(job: _Job, resources: contextlib.ExitStack) -> None:
 
     from tlt_jax.distributed.multihost import NullWriter
     from tlt_jax.metrics import ConsoleTable, MetricsWriter, Progress
+    from tlt_jax.metrics.plots import Plotter
     from tlt_jax.metrics.records import drop_steps_after
     from tlt_jax.metrics.writers import COLUMNS
 
@@ -330,6 +331,7 @@ def _open_outputs(job: _Job, resources: contextlib.ExitStack) -> None:
     writer = MetricsWriter(workdir, tensorboard=cfg.metrics.tensorboard, resume_step=start) if job.primary else None
     job.writer = resources.enter_context(contextlib.closing(writer or NullWriter()))
     job.writer.write_config(job.config_json)
+    job.plots = Plotter(workdir)
     if job.primary:
         drop_steps_after(workdir, start)  # lengths / timeline rows of steps redone after a resume
     drafter_cols = (("drafter", "drafter/steps", "{:>7.0f}"), ("draft s", "controller/train_s", "{:>7.2f}"),
@@ -383,7 +385,6 @@ def _step(job: _Job, step: int) -> dict[str, float]:
     """One RL step on the next global batch: rollout, update, an evaluation when due; its metrics (reduced over the
     processes) written, plotted and printed."""
     from tlt_jax.distributed.multihost import gather_global_batch, reduce_metrics
-    from tlt_jax.metrics.plots import write_plots
     from tlt_jax.metrics.records import append_lengths
 
     cfg, progress, n_eval = job.cfg, job.progress, len(job.data.eval)
@@ -399,7 +400,7 @@ def _step(job: _Job, step: int) -> dict[str, float]:
     job.writer.write(step, metrics)
     if job.primary:
         append_lengths(job.workdir, step, job.learner.last_lengths)
-        write_plots(job.workdir)
+        job.plots()  # at most once a minute
     progress.end_step()
     _trim_host_heap()
     job.table.print(dict(metrics, step=step), write=progress.write)
@@ -411,7 +412,6 @@ def _step(job: _Job, step: int) -> dict[str, float]:
 def _finish(job: _Job) -> dict[str, float]:
     """The final greedy evaluation, the adapted drafter's export, the final row (peak memory over the processes)."""
     from tlt_jax.distributed.multihost import reduce_metrics
-    from tlt_jax.metrics.plots import write_plots
 
     job.settle()  # the last save's host copies are gone before the final evaluation's rollout
     final = job.learner.evaluate(job.data.eval, **job.eval_kwargs)
@@ -422,7 +422,7 @@ def _finish(job: _Job) -> dict[str, float]:
     final.update(reduce_metrics({"memory/peak_rss_gib": _peak_rss_gib()}))  # the largest over the processes
     job.writer.write(job.cfg.train.num_steps, final, kind="final")
     if job.primary:
-        write_plots(job.workdir)  # the final evaluation joins the held-out accuracy curve
+        job.plots(final=True)  # the final evaluation joins the held-out accuracy curve
     job.progress.write(
         f"final evaluation accuracy: {final['eval/accuracy']:.4f} on {len(job.data.eval)} held-out prompts "
         f"(greedy; total {final['time/total_s']:.0f} s; peak resident memory "
@@ -438,6 +438,8 @@ def _default_workdir(name: str) -> str:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag (see --helpfull)")
+    if FLAGS.config is None:
+        raise app.UsageError("--config=configs/<name>.py is required (e.g. --config=configs/tiny.py)")
     from absl import logging as absl_logging
 
     from tlt_jax.checkpoint import CheckpointWriteError, UnreadableCheckpointError
@@ -446,8 +448,6 @@ def main(argv: Sequence[str]) -> None:
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax / grain log every save at INFO
     log.setLevel(logging.INFO)
-    if FLAGS.config is None:
-        raise app.UsageError("--config=configs/<name>.py is required (e.g. --config=configs/tiny.py)")
     try:
         cfg = from_config_dict(FLAGS.config)
     except ConfigError as e:

@@ -14,7 +14,6 @@ whether a speculative arm's step is ready, and whether a round trip overlapped a
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 
@@ -22,6 +21,8 @@ def agreed_seconds(*seconds: float, across: bool = True) -> float | tuple[float,
     """The maximum of each of ``seconds`` over all JAX processes (as float32, so every process gets the same bits;
     one collective for all of them, none in one process): a float for one value, else a tuple. across=False: an
     engine on this process's devices alone (a rollout slice), whose bandit no other process runs: no collective."""
+    import jax  # here, not at import: the config (which reads the arms) loads without JAX
+
     if not across or jax.process_count() == 1:
         out = tuple(float(s) for s in seconds)
     else:
@@ -35,6 +36,8 @@ def agreed_seconds(*seconds: float, across: bool = True) -> float | tuple[float,
 def agreed_all(*flags: bool, across: bool = True) -> tuple[bool, ...]:
     """Each flag AND-ed over all JAX processes (one collective for all of them; none in one process or with
     across=False, as ``agreed_seconds``)."""
+    import jax
+
     if not across or jax.process_count() == 1:
         return tuple(bool(f) for f in flags)
     from jax.experimental import multihost_utils

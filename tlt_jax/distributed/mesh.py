@@ -3,40 +3,13 @@ data across nodes), and disjoint slices of one mesh for independent rollout engi
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-AXES = ("data", "fsdp", "tensor")
+from tlt_jax.mesh_config import AXES, MeshConfig
 
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Mesh shape over (data, fsdp, tensor); -1 in one place takes the remaining devices. Across nodes ``tensor``
-    must divide a node's devices, and ``fsdp`` x ``tensor`` divide them (HSDP) or span whole nodes (``make_mesh``)."""
-
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-
-    def resolve(self, num_devices: int) -> tuple[int, int, int]:
-        dims = [self.data, self.fsdp, self.tensor]
-        if dims.count(-1) > 1:
-            raise ValueError(f"at most one mesh axis may be -1, got {dims}")
-        if any(d == 0 or d < -1 for d in dims):
-            raise ValueError(f"mesh axis sizes must be positive or -1, got {dims}")
-        known = int(np.prod([d for d in dims if d != -1]))
-        if -1 in dims:
-            if num_devices % known:
-                raise ValueError(f"{num_devices} devices cannot be split into mesh {dims}")
-            dims[dims.index(-1)] = num_devices // known
-        if int(np.prod(dims)) != num_devices:
-            raise ValueError(
-                f"mesh {dict(zip(AXES, dims, strict=True))} needs {int(np.prod(dims))} devices, have {num_devices}"
-            )
-        return tuple(dims)
+__all__ = ["AXES", "MeshConfig", "engine_count", "engine_meshes", "hybrid_devices", "make_mesh", "single_device_mesh"]
 
 
 def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:

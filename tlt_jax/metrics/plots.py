@@ -1,4 +1,5 @@
-"""PNG plots of a run, refreshed after every step: what a user looks at to see TLT at work.
+"""PNG plots of a run, refreshed during the run (:class:`Plotter`) and at its end: what a user looks at to see TLT at
+work.
 
 Reads only files the run already writes (``metrics.jsonl``, ``lengths.jsonl``, ``timeline.jsonl``) so the plots can
 also be redrawn afterwards for any workdir: ``python -m tlt_jax.metrics.plots WORKDIR``.
@@ -9,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 
-__all__ = ["PLOT_FILES", "write_plots"]
+__all__ = ["PLOT_FILES", "Plotter", "write_plots"]
 
 PLOT_FILES = {
     "reward": "reward.png",
@@ -188,6 +190,22 @@ def write_plots(workdir: str) -> list[str]:
         if ok(path):
             written.append(path)
     return written
+
+
+class Plotter:
+    """Redraws a run's plots after a step when ``every_s`` seconds have passed since the run started or the last
+    redraw, and always at the end: the four figures are drawn on the step's critical path, which a small run's
+    steps (seconds each) should not pay for every step."""
+
+    def __init__(self, workdir: str, every_s: float = 60.0, clock=time.monotonic):
+        self.workdir, self.every_s, self.clock = workdir, every_s, clock
+        self.drawn_at = clock()
+        self.redraws = 0
+
+    def __call__(self, final: bool = False) -> None:
+        if final or self.clock() - self.drawn_at >= self.every_s:
+            write_plots(self.workdir)
+            self.drawn_at, self.redraws = self.clock(), self.redraws + 1
 
 
 if __name__ == "__main__":
