@@ -19,6 +19,7 @@ def test_decode_rules_drop_the_data_axes_from_parameters_only():
     rules = decode_rules(LogicalRules())
     assert rules.lookup("batch") == ("data", "fsdp")  # the decode batch stays split over the data axes
     assert rules.lookup("embed") == () and rules.lookup("vocab") == ("tensor",) and rules.lookup("mlp") == ("tensor",)
+    assert LogicalRules().lookup("vocab_in") == ("tensor",) and rules.lookup("vocab_in") == ()  # whole on an engine
     custom = decode_rules(LogicalRules.from_mapping({**dict(LogicalRules().rules), "mlp": ["fsdp", "tensor"]}))
     assert custom.lookup("mlp") == ("tensor",)
 
@@ -166,3 +167,38 @@ def test_vocab_top_k_merges_each_devices_top_k_into_the_global_one():
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     text = fn.lower(placed).compile().as_text()
     assert not [s for s in COLLECTIVE.findall(text) if "512" in s or "256" in s], COLLECTIVE.findall(text)
+
+
+def _hidden_all_reduces(engine, hidden: int) -> list[str]:
+    """The decode steps' all-reduces of hidden-state rows ([..., hidden]): a tensor-parallel layer's two, and the
+    input embedding's lookup when that is split by vocabulary."""
+    out = []
+    for key in engine.pool.keys():
+        if key.phase == "decode":
+            for line in engine.pool.compile(key).as_text().splitlines():
+                m = re.search(r"= (\w+\[[\d,]*\])[^=]*? all-reduce(?:-start)?\(", line)
+                if m and m.group(1).endswith(f",{hidden}]"):
+                    out.append(m.group(1))
+    return out
+
+
+def test_untied_input_embedding_is_whole_on_an_engine_so_a_token_step_all_reduces_only_in_the_layers():
+    """An untied model's input embedding ("vocab_in") is whole on each device of a tensor-parallel engine
+    (decode_rules): a decode step's all-reduces of hidden states are the layers' (attention output, MLP down).
+    Split by vocabulary (the training rules' layout, published as it is) the lookup adds one more; tokens equal."""
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=2), jax.devices()[:2])
+    cfg = tiny_config(vocab_size=512)
+    assert not cfg.tie_word_embeddings
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
+    kw = dict(max_batch=8, max_len=32, length_buckets=(32,), batch_buckets=(8,), sampling_filters=False,
+              compiler_options=FAST)
+    params = SamplingParams(temperature=0.9, n=2, max_new_tokens=6, seed=3, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [10]]
+    whole, split = RolloutEngine(model, mesh, **kw), RolloutEngine(model, mesh, **kw)
+    split.param_rules = LogicalRules()  # without decode_rules: vocab_in split over tensor (and nothing over fsdp = 1)
+    split.set_rollout_copy(shard_module(rollout_copy(model, **split.rollout_layout), mesh, split.param_rules))
+    assert whole.generate(prompts, params).tokens == split.generate(prompts, params).tokens
+    embed = whole.params["embed_tokens"]
+    assert embed.sharding.shard_shape(embed.shape) == embed.shape  # whole on each device
+    layers, extra = _hidden_all_reduces(whole, cfg.hidden_size), _hidden_all_reduces(split, cfg.hidden_size)
+    assert layers and len(extra) == len(layers) + 1, (layers, extra)

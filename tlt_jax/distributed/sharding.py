@@ -23,6 +23,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", ("data", "fsdp")),
     ("layers", None),
     ("vocab", "tensor"),
+    ("vocab_in", "tensor"),  # an untied input embedding's rows (only looked up); replicated by decode_rules
     ("embed", "fsdp"),
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -159,12 +160,18 @@ def decode_rules(rules: LogicalRules) -> LogicalRules:
     """The rollout (decode) layout of ``rules``: parameters no longer split over the data-parallel mesh axes (those
     of "batch": "data", "fsdp"), only over the others ("tensor": heads, MLP columns, vocabulary). A decode or verify
     step then reads every weight where it lies instead of all-gathering it at every token step; the engine reshards
-    the trained weights into this layout once per RL step (``RolloutEngine.set_params``)."""
+    the trained weights into this layout once per RL step (``RolloutEngine.set_params``).
+
+    An untied model's input embedding ("vocab_in") is whole on every device of an engine: a token step only looks
+    up rows of it, which split by vocabulary costs an all-reduce of the rows looked up (one more per step beside the
+    layers' two); whole, it costs none, for vocab x hidden x (1 - 1 / tensor) more bytes per device."""
     data_axes = set(rules.lookup("batch"))
 
     def keep(name: str, axes: MeshAxes) -> MeshAxes:
         if name == "batch" or axes is None:
             return axes
+        if name == "vocab_in":
+            return None
         left = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in data_axes)
         return None if not left else left[0] if len(left) == 1 else left
 

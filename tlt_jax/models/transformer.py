@@ -148,7 +148,10 @@ class CausalLM(nnx.Module):
         self.dtype = dtype
         self.remat = False
         self.attention_impl = "xla"  # or "pallas": tree-attention kernel for cached decode/verify (rollout_copy)
-        self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
+        # Tied, the embedding is the LM head too, split by vocabulary; untied, it is only looked up ("vocab_in", whole
+        # on each device of a rollout engine: distributed.sharding.decode_rules).
+        vocab = "vocab" if cfg.tie_word_embeddings else "vocab_in"
+        self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), (vocab, "embed"), param_dtype)
         self.layers = stacked_layers(cfg, cfg.num_layers, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
         if cfg.tie_word_embeddings:
