@@ -9,6 +9,10 @@ from importlib.metadata import version
 # tests/test_online_tail.py: 74 s of compiles -> 24 s); CI starts cold. jaxlib 0.11 (the Python 3.12 set) no
 # longer has the --xla_cpu_use_fusion_emitters flag (an unknown XLA flag aborts the process): LLVM's pipeline only.
 _FAST_COMPILE = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# No Eigen intra-op thread pool: on 2 shared cores, two pytest workers and the processes they start already fill the
+# machine, and the pool's threads only contend with them (`/usr/bin/time pytest tests/test_rollout.py`, warm cache,
+# 4 runs each: 14.0-17.1 s of CPU without the pool, 18.7-21.3 s with it).
+_FAST_COMPILE += " --xla_cpu_multi_thread_eigen=false"
 if tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (0, 11):
     _FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (

@@ -61,11 +61,13 @@ def test_reshard_round_trip_is_exact(trained, layout):
     assert resharder.program_for(policy)[0] is program  # compiled once for the policy's structure and shardings
 
 
-def test_engine_steps_have_no_collective_outside_their_tp_group(trained):
-    """Prefill, decode, compaction and verify on engines of one TP group: with tensor 1 no collective at all, with
-    tensor 2 only the group's own; one engine batch-sharded over 4 devices (the old layout) does move rows across
-    devices when it compacts (the negative control)."""
-    mesh, policy = trained
+def test_engine_steps_have_no_collective_outside_their_tp_group():
+    """Prefill, decode, compaction and verify on engines of one TP group (two engines each, so as few compiles as
+    show it): with tensor 1 no collective at all, with tensor 2 only the group's own; one engine batch-sharded over 2
+    devices (the old layout) does move rows across devices when it compacts (the negative control)."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2), jax.devices()[:4])
+    fresh = CausalLM(tiny_config(num_heads=8, num_kv_heads=4), rngs=nnx.Rngs(3))  # the fixture's policy
+    policy = shard_module(fresh, mesh)
     spec = SpecConfig(depth=3, topk=1, verify_tokens=4, threshold=2)
 
     def collectives(engine):
@@ -77,8 +79,7 @@ def test_engine_steps_have_no_collective_outside_their_tp_group(trained):
         return out
 
     kw = dict(drafter="ngram", spec=spec, max_batch=8, max_len=64, length_buckets=(64,), compiler_options=FAST)
-    tp1 = make_mesh(MeshConfig(data=-1), jax.devices()[:4])
-    fresh = CausalLM(tiny_config(num_heads=8, num_kv_heads=4), rngs=nnx.Rngs(3))  # the fixture's policy
+    tp1 = make_mesh(MeshConfig(data=-1), jax.devices()[:2])
     one = SlicedRollout(shard_module(fresh, tp1), tp1, -1, **kw)
     res = one.generate(PROMPTS, GREEDY)
     assert res.stats["verify_steps"] > 0
@@ -86,12 +87,12 @@ def test_engine_steps_have_no_collective_outside_their_tp_group(trained):
     assert all(set(c) >= {"prefill", "decode", "compact"} for c in counts) and any("verify" in c for c in counts)
     assert all(n == 0 for c in counts for n in c.values()), counts
     tp2 = SlicedRollout(policy, mesh, -1, **kw)
-    assert tp2.generate(PROMPTS, GREEDY).tokens == res.tokens
+    assert len(one.engines) == len(tp2.engines) == 2 and tp2.generate(PROMPTS, GREEDY).tokens == res.tokens
     for e in tp2.engines.values():
         for key, exe in e.pool._compiled.items():
             for groups in _replica_groups(exe.as_text()):
                 assert groups in ([[0, 1]], []), (key, groups)  # the engine's own two devices
-    old = RolloutEngine(policy, make_mesh(MeshConfig(data=4), jax.devices()[:4]), **kw)
+    old = RolloutEngine(policy, make_mesh(MeshConfig(data=2), jax.devices()[:2]), **kw)
     assert old.generate(PROMPTS, GREEDY).tokens == res.tokens
     assert collectives(old).get("compact", 0) > 0
     one.close(), tp2.close(), old.close()
