@@ -176,9 +176,8 @@ def _hidden_all_reduces(engine, hidden: int) -> list[str]:
     for key in engine.pool.keys():
         if key.phase == "decode":
             for line in engine.pool.compile(key).as_text().splitlines():
-                m = re.search(r"= (\w+\[[\d,]*\])[^=]*? all-reduce(?:-start)?\(", line)
-                if m and m.group(1).endswith(f",{hidden}]"):
-                    out.append(m.group(1))
+                if re.search(r" all-reduce(?:-start)?\(", line):
+                    out += [s for s in COLLECTIVE.findall(line) if s.endswith(f",{hidden}]")]
     return out
 
 
