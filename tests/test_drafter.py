@@ -278,16 +278,24 @@ def test_warmup_cli_engine_generation_samples_and_continue(tmp_path):
     heldout = json.loads((tmp_path / "a" / "warmup.json").read_text())["heldout_chain_acceptance"]
     assert heldout["prompts"] == 3 and 0 < heldout["positions"] <= 3 * 7 and len(heldout["expected_accept"]) == 6
     assert 1.0 <= heldout["expected_accept"][0] <= heldout["expected_accept"][-1] <= 7.0
-    second = subprocess.run([*base, f"--out={tmp_path / 'b'}", f"--samples={pkl},{pkl}", f"--init={tmp_path / 'a'}"],
+    second = subprocess.run([*base, f"--out={tmp_path / 'b'}", f"--samples={pkl},{pkl}", f"--init={tmp_path / 'a'}",
+                             "--value_weight=0", "--prob_weight=1"],
                             cwd=repo, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     summary = json.loads((tmp_path / "b" / "warmup.json").read_text())
+    # the token loss alone: each logged step's loss is its (first pass's) soft-target cross-entropy
+    assert summary["flags"]["value_weight"] == 0 and summary["flags"]["prob_weight"] == 1
+    for row in (summary["first"], summary["last"]):
+        assert row["loss"] == pytest.approx(row["prob_loss"], rel=1e-6) and row["value_loss"] > 0, row
     assert summary["num_samples"] == 16 and summary["flags"]["engine_batch"] == 0
     assert summary["flags"]["samples"] == [str(pkl)] * 2 and summary["init_summary"]["num_samples"] == 8
     assert load_drafter(tmp_path / "b").vocab_ids() is not None
     missing = subprocess.run([*base, f"--out={tmp_path / 'c'}", f"--samples={pkl},{tmp_path / 'nope.pkl'}"],
                              cwd=repo, capture_output=True, text=True, timeout=600)
     assert missing.returncode != 0 and "nope.pkl" in missing.stdout + missing.stderr
+    bad = subprocess.run([*base, f"--out={tmp_path / 'd'}", "--value_weight=0", "--prob_weight=0"],
+                         cwd=repo, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "not both 0" in bad.stdout + bad.stderr
 
 
 def test_batch_is_a_pytree():

@@ -116,7 +116,8 @@ _FLAGS = flags.FLAGS
 
 _OWN_FLAGS = ("model", "num_prompts", "max_new_tokens", "steps", "batch_size", "engine_batch", "row_len",
               "rows_per_batch", "samples", "eval_prompts",
-              "temperature", "temperatures", "learning_rate", "warmup_steps", "draft_vocab", "unroll", "init", "seed")
+              "temperature", "temperatures", "learning_rate", "warmup_steps", "draft_vocab", "unroll", "value_weight",
+              "prob_weight", "init", "seed")
 
 
 def define_flags():
@@ -136,6 +137,9 @@ def define_flags():
     flags.DEFINE_integer("warmup_steps", 0, "linear learning-rate warm-up steps (then cosine decay to 10%)")
     flags.DEFINE_integer("draft_vocab", 0, "draft vocabulary size (0 = full vocabulary)")
     flags.DEFINE_integer("unroll", 1, "training-time-test passes (1 = plain EAGLE loss)")
+    flags.DEFINE_float("value_weight", DrafterLossConfig.value_weight, "weight of the feature regression loss")
+    flags.DEFINE_float("prob_weight", DrafterLossConfig.prob_weight,
+                       "weight of the soft-target token loss (cross-entropy against the policy's distribution)")
     flags.DEFINE_string("init", None, "start from this drafter directory (continue training)")
     flags.DEFINE_list("samples", None, "pickles of generated samples: read (and concatenated) if they all exist; "
                       "a single missing path is generated and written")
@@ -208,6 +212,9 @@ def heldout_acceptance(policy, drafter, model: str | None, num_prompts: int, *, 
 
 def main(argv):
     del argv
+    if _FLAGS.value_weight < 0 or _FLAGS.prob_weight < 0 or _FLAGS.value_weight + _FLAGS.prob_weight == 0:
+        raise app.UsageError(f"--value_weight={_FLAGS.value_weight}, --prob_weight={_FLAGS.prob_weight}: the loss "
+                             "weights must be >= 0 and not both 0")
     split = None if _FLAGS.model == "tiny" else "train"
     policy, prompts, stops = load_policy_and_prompts(_FLAGS.model, _FLAGS.num_prompts, _FLAGS.seed, split)
     temps = None if _FLAGS.temperatures is None else [float(t) for t in _FLAGS.temperatures]
@@ -232,7 +239,8 @@ def main(argv):
         policy, prompts, max_new_tokens=_FLAGS.max_new_tokens, steps=_FLAGS.steps, batch_size=_FLAGS.batch_size,
         row_len=_FLAGS.row_len, rows_per_batch=_FLAGS.rows_per_batch, temperature=_FLAGS.temperature,
         seed=_FLAGS.seed, stop_tokens=stops, optim=optim, temperatures=temps, engine_batch=_FLAGS.engine_batch,
-        draft_vocab_size=_FLAGS.draft_vocab or None, loss_cfg=DrafterLossConfig(unroll=_FLAGS.unroll),
+        draft_vocab_size=_FLAGS.draft_vocab or None, loss_cfg=DrafterLossConfig(
+            unroll=_FLAGS.unroll, value_weight=_FLAGS.value_weight, prob_weight=_FLAGS.prob_weight),
         drafter=load_drafter(_FLAGS.init) if _FLAGS.init else None, generated=generated)
     out = pathlib.Path(_FLAGS.out)
     save_drafter(drafter, out)
