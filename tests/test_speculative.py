@@ -537,3 +537,13 @@ def test_ngram_trees_are_well_formed():
     assert paths[2] == [] and val[2].sum() == 1
     tok_i, _, val_i = ng.propose(contexts, active=np.array([True, False, True]))
     assert val_i[1].sum() == 1 and tok_i[1, 0] == 3
+
+
+def test_ngram_tree_takes_the_most_frequent_continuation_before_a_single_longer_match():
+    """Nodes best-first by the summed match lengths through them: "3" went on to 4 four times (1-gram matches, 4)
+    and to 9 once, after "2 3" (the 2-gram match, 2, plus its 1-gram, 1): 4 is the one node a 2-node tree holds."""
+    ctx = [5, 3, 4, 6, 3, 4, 7, 3, 4, 8, 3, 4, 2, 3, 9, 1, 2, 3]
+    tok, par, val = NgramDrafter(num_nodes=2, max_depth=2, max_ngram=2).propose([ctx])
+    assert val[0].tolist() == [True, True] and tok[0].tolist() == [3, 4] and par[0].tolist() == [-1, 0]
+    tok, par, val = NgramDrafter(num_nodes=4, max_depth=2, max_ngram=2).propose([ctx])
+    assert tok[0].tolist() == [3, 4, 9, 1] and par[0].tolist() == [-1, 0, 0, 2]  # weight 3 (9), then 3 (9's 1)

@@ -3,9 +3,11 @@
 For n from ``max_ngram`` down to ``min_ngram`` the last n tokens (ending with the root) are looked up in every source
 (the row's prompt + output, then the other samples of its group); the tokens following each match (at most
 ``max_depth``, cut after the first stop token so nothing is proposed across it) are merged into a trie, so siblings
-are distinct. Nodes are chosen best-first from the root by (longest matching n, number of continuations through the
-node, most recent first) until the verify budget N is filled; the rest is invalid padding. Host-side numpy: the tree
-depends only on tokens already committed, never on verification randomness.
+are distinct. Each continuation weighs its match length n, and nodes are chosen best-first by the summed weight of
+the continuations through them (a path's empirical probability, longer matches counting more: EAGLE-2's choice by
+path probability, with counts for the drafter's probabilities; ties: shallower, then found first) until the verify
+budget N is filled; the rest is invalid padding. Host-side numpy: the tree depends only on tokens already committed,
+never on verification randomness.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ class _Node:
     token: int
     parent: int
     order: int
-    best_n: int = 0
-    count: int = 0
+    depth: int = 0
+    weight: int = 0
     children: dict = dataclasses.field(default_factory=dict)
 
 
@@ -81,10 +83,9 @@ class NgramDrafter:
             for t in cont:
                 if t not in trie[u].children:
                     trie[u].children[t] = len(trie)
-                    trie.append(_Node(t, u, len(trie)))
+                    trie.append(_Node(t, u, len(trie), trie[u].depth + 1))
                 u = trie[u].children[t]
-                trie[u].best_n = max(trie[u].best_n, n)
-                trie[u].count += 1
+                trie[u].weight += n
             if len(trie) > 4 * n_nodes:
                 break
         heap = []
@@ -92,7 +93,7 @@ class NgramDrafter:
         def push(u):
             for v in trie[u].children.values():
                 nd = trie[v]
-                heapq.heappush(heap, (-nd.best_n, -nd.count, nd.order, v))
+                heapq.heappush(heap, (-nd.weight, nd.depth, nd.order, v))
 
         push(0)
         slot_of = {0: 0}
