@@ -348,3 +348,10 @@ def test_chunked_token_loss_gives_the_whole_rows_gradients(policy):
     for a, b in zip(jax.tree.leaves(gw), jax.tree.leaves(gc), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(gw)) > 0
+
+
+@pytest.mark.parametrize("weights", [(-1.0, 0.1), (1.0, -0.5), (0.0, 0.0)])
+def test_loss_config_refuses_negative_or_all_zero_weights(weights):
+    with pytest.raises(ValueError, match="must be >= 0 and not both 0"):
+        DrafterLossConfig(value_weight=weights[0], prob_weight=weights[1])
+    assert DrafterLossConfig(value_weight=0.0, prob_weight=1.0).prob_weight == 1.0

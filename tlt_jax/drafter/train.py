@@ -53,6 +53,11 @@ class DrafterLossConfig:
     # step (0.98x, A/A 0.99x; benchmarks/drafter_step.py at commit e2afc2d, since removed). 0: the whole row at once.
     logit_chunk: int = 64
 
+    def __post_init__(self):
+        if self.value_weight < 0 or self.prob_weight < 0 or self.value_weight + self.prob_weight == 0:
+            raise ValueError(f"value_weight={self.value_weight}, prob_weight={self.prob_weight}: the loss weights "
+                             "must be >= 0 and not both 0")
+
 
 @dataclasses.dataclass(frozen=True)
 class DrafterOptimConfig:

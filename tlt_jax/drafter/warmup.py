@@ -212,9 +212,11 @@ def heldout_acceptance(policy, drafter, model: str | None, num_prompts: int, *, 
 
 def main(argv):
     del argv
-    if _FLAGS.value_weight < 0 or _FLAGS.prob_weight < 0 or _FLAGS.value_weight + _FLAGS.prob_weight == 0:
-        raise app.UsageError(f"--value_weight={_FLAGS.value_weight}, --prob_weight={_FLAGS.prob_weight}: the loss "
-                             "weights must be >= 0 and not both 0")
+    try:  # checked before the policy loads
+        loss_cfg = DrafterLossConfig(unroll=_FLAGS.unroll, value_weight=_FLAGS.value_weight,
+                                     prob_weight=_FLAGS.prob_weight)
+    except ValueError as e:
+        raise app.UsageError(f"--value_weight / --prob_weight: {e}") from e
     split = None if _FLAGS.model == "tiny" else "train"
     policy, prompts, stops = load_policy_and_prompts(_FLAGS.model, _FLAGS.num_prompts, _FLAGS.seed, split)
     temps = None if _FLAGS.temperatures is None else [float(t) for t in _FLAGS.temperatures]
@@ -239,8 +241,7 @@ def main(argv):
         policy, prompts, max_new_tokens=_FLAGS.max_new_tokens, steps=_FLAGS.steps, batch_size=_FLAGS.batch_size,
         row_len=_FLAGS.row_len, rows_per_batch=_FLAGS.rows_per_batch, temperature=_FLAGS.temperature,
         seed=_FLAGS.seed, stop_tokens=stops, optim=optim, temperatures=temps, engine_batch=_FLAGS.engine_batch,
-        draft_vocab_size=_FLAGS.draft_vocab or None, loss_cfg=DrafterLossConfig(
-            unroll=_FLAGS.unroll, value_weight=_FLAGS.value_weight, prob_weight=_FLAGS.prob_weight),
+        draft_vocab_size=_FLAGS.draft_vocab or None, loss_cfg=loss_cfg,
         drafter=load_drafter(_FLAGS.init) if _FLAGS.init else None, generated=generated)
     out = pathlib.Path(_FLAGS.out)
     save_drafter(drafter, out)
