@@ -1,15 +1,15 @@
-"""Static vs adaptive EAGLE drafter while the policy drifts (TLT's adaptive drafter, issue 16).
+"""Static vs adaptive EAGLE drafter while the policy learns (TLT's adaptive drafter; issues 16 and 60).
 
-Runs the main job on configs/gsm8k.py (SmolLM2) from the shipped drafter, the policy's learning rate high enough to
-drift it, once per --modes entry: ``static``, ``adaptive`` (trained online on --slices slices), ``adaptive_hot``
-(``drafter.hot_swap``). All decode with one tree (--tree): accept lengths compare like for like, the samples are the
-same (checked per step). Output: per mode and step the accept length, reward, drafter work and idle time, the final
-greedy evaluation's accept length, the adaptive / static ratios; the adaptive run's timeline.png beside the JSON.
+Runs the main job on configs/gsm8k.py (SmolLM2) from the shipped drafter once per --modes entry: ``static``,
+``adaptive`` (trained online on --slices slices), ``adaptive_hot`` (``drafter.hot_swap``), all decoding with one tree
+(--tree), so accept lengths compare like for like on the same samples (checked per step). Output: per mode and step
+accept length, reward, drafter work and idle time, held-out evaluations; ``summary`` (issue 60): the first trained
+mode's accept over static's in the second half and at the final held-out evaluation, held-out accuracy at the start
+and end, drafter steps per slice; the trained run's timeline.png beside the JSON. Spot training only, 2 slices:
 
-    python benchmarks/drafter_adaptation.py --steps 8 --lr 2e-5
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/drafter_adaptation.py --steps 12 --lr 5e-5 \
-        --drafter_lr 2e-4 --steps_without_idle 4 --slices 2 --modes static,adaptive,adaptive_hot \
-        --out benchmarks/results/drafter_adaptation_mild.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/drafter_adaptation.py --steps 60 \
+        --drafter_lr 3e-4 --steps_without_idle 0 --slices 2 --eval_every 20 --checkpoint_every 10 \
+        --out benchmarks/results/drafter_adaptation_2slices_60.json
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ from tlt_jax.assets import EMBEDDED_DRAFTER, resolve_drafter_path  # noqa: E402
 
 DRAFTER = resolve_drafter_path(EMBEDDED_DRAFTER)
 RESULTS = REPO / "benchmarks" / "results" / "drafter_adaptation.json"
+# per mode and RL step: these metrics (drafter/step_s: the step's mean drafter step; drafter/critical_s: drafter work
+# on the RL step's path)
+SERIES = {"accept_length": "rollout/accept_length", "reward_mean": "reward/mean", "step_s": "time/step_s",
+          "rollout_s": "time/rollout_s", "drafter_step_s": "drafter/step_s", "critical_s": "drafter/critical_s",
+          "drafter_heldout_top1": "drafter/top1", "hot_swaps": "controller/hot_swaps", "idle_s": "controller/idle_s",
+          "overhang_s": "controller/overhang_s", "tail_s": "time/tail_s", "kl_to_start": "train/kl_loss"}
 
 
 def main() -> None:
@@ -45,6 +51,9 @@ def main() -> None:
     ap.add_argument("--max_new_tokens", type=int, default=256)
     ap.add_argument("--kl_coef", type=float, default=1e-3, help="rl.kl_coef (> 0: train/kl_loss measures the drift)")
     ap.add_argument("--modes", default="static,adaptive", help="static, adaptive, adaptive_hot (--slices >= 2)")
+    ap.add_argument("--eval_every", type=int, default=0, help="held-out greedy evaluation at the start and every N "
+                    "steps (0: the final one only); summary.accuracy_start needs it")
+    ap.add_argument("--checkpoint_every", type=int, default=1000, help="checkpoint.every_steps (a killed run resumes)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--workdir", default=None,
                     help="default: a fresh temporary directory; an earlier run's resumes each mode from its last "
@@ -60,8 +69,9 @@ def main() -> None:
     common = {"train.num_steps": args.steps, "optim.lr": args.lr, "optim.warmup_steps": 0,
               "rollout.max_new_tokens": args.max_new_tokens, "rollout.speculative": "eagle", "rollout.spec_arms": "",
               "rollout.spec_depth": depth, "rollout.spec_topk": topk, "rollout.spec_verify_tokens": verify,
-              "rollout.drafter_path": str(DRAFTER), "rl.kl_coef": args.kl_coef, "eval.every_steps": 0,
-              "eval.at_start": False, "checkpoint.every_steps": 1000, "metrics.progress_bars": False,
+              "rollout.drafter_path": str(DRAFTER), "rl.kl_coef": args.kl_coef, "eval.every_steps": args.eval_every,
+              "eval.at_start": args.eval_every > 0, "checkpoint.every_steps": args.checkpoint_every,
+              "metrics.progress_bars": False,
               "metrics.tensorboard": False}
     online = {"drafter.online": True, "drafter.lr": args.drafter_lr,
               "drafter.steps_without_idle": args.steps_without_idle}
@@ -80,23 +90,13 @@ def main() -> None:
         rows = [r for r in every if r["kind"] == "train"]
         final = [r for r in every if r["kind"] == "final"][-1:]  # the held-out greedy evaluation at the end
         out["modes"][name] = {
-            "accept_length": [r["rollout/accept_length"] for r in rows],
-            "reward_mean": [r["reward/mean"] for r in rows],
-            "step_s": [r["time/step_s"] for r in rows],
-            "rollout_s": [r["time/rollout_s"] for r in rows],
-            "drafter_train_s": [r.get("controller/train_s", 0.0) for r in rows],
-            "drafter_steps": [r.get("drafter/steps", 0.0) for r in rows],
-            "drafter_step_s": [r.get("drafter/step_s") for r in rows],  # the mean drafter step of each RL step
+            **{k: [r.get(key) for r in rows] for k, key in SERIES.items()},
+            **{k: [r.get(key, 0.0) for r in rows] for k, key in (("drafter_train_s", "controller/train_s"),
+                                                                  ("drafter_steps", "drafter/steps"))},
             "drafter_steps_per_slice": [[r.get(f"controller/train_steps/slice_{k}", 0.0) for k in range(args.slices)]
                                         for r in rows],
-            "critical_s": [r.get("drafter/critical_s") for r in rows],  # drafter work on the RL step's path
-            "drafter_heldout_top1": [r.get("drafter/top1") for r in rows],
-            "hot_swaps": [r.get("controller/hot_swaps") for r in rows],
-            "idle_s": [r.get("controller/idle_s") for r in rows],
-            "overhang_s": [r.get("controller/overhang_s") for r in rows],
-            "tail_s": [r["time/tail_s"] for r in rows],
-            "kl_to_start": [r.get("train/kl_loss") for r in rows],
             "final_eval": {k: final[0].get(f"eval/{k}") for k in ("accuracy", "accept_length")} if final else None,
+            "heldout_accuracy": {r["step"]: r["eval/accuracy"] for r in every if "eval/accuracy" in r},
             "wall_s": time.perf_counter() - t0,
         }
     s = out["modes"]["static"]
@@ -125,8 +125,13 @@ def main() -> None:
             if (m["final_eval"] or {}).get("accept_length") and (s["final_eval"] or {}).get("accept_length"):
                 m["ratio_final_eval"] = m["final_eval"]["accept_length"] / s["final_eval"]["accept_length"]
     trained = [n for n in names if n != "static"]
-    if trained:  # one step's slices busy / idle / training, kept beside the JSON
-        png = root / trained[-1] / "plots" / "timeline.png"
+    if trained:  # issue 60's figures, for the first trained mode
+        m, acc = out["modes"][trained[0]], s["heldout_accuracy"]
+        out["summary"] = {"mode": trained[0], "second_half_ratio": m["ratio_second_half"],
+                          "heldout_ratio": m.get("ratio_final_eval"), "accuracy_start": acc.get(0),
+                          "accuracy_end": (s["final_eval"] or {}).get("accuracy"),
+                          "drafter_steps_per_slice": [sum(c) for c in zip(*m["drafter_steps_per_slice"], strict=True)]}
+        png = root / trained[-1] / "plots" / "timeline.png"  # one step's slices busy / idle / training
         if png.exists():
             out["timeline_png"] = str(Path(args.out).with_suffix(".timeline.png"))
             shutil.copyfile(png, out["timeline_png"])
@@ -139,17 +144,12 @@ def main() -> None:
               + (f"  KL to start {kl:.4f}" if kl is not None else ""))
     for n in trained:
         m = out["modes"][n]
-        crit = sorted(c for c in m["critical_s"] if c is not None)
-        if m["drafter_step_s"] and crit:
-            print(f"{n}: drafter work on the critical path, median {m['critical_s_median']:.3f} s per RL step "
-                  f"(max {crit[-1]:.3f}); one drafter step {m['drafter_step_s']:.3f} s; drafter steps per slice "
-                  f"{[sum(col) for col in zip(*m['drafter_steps_per_slice'], strict=True)]}")
-        print(f"{n} / static accept: last step {m['ratio_last']:.2f}, second half {m['ratio_second_half']:.2f}; "
-              f"drafter {sum(m['drafter_train_s']):.1f} s over the run")
-        if "ratio_final_eval" in m:
-            print(f"{n} / static accept on the held-out prompts (final greedy evaluation, step "
-                  f"{len(s['accept_length'])}): {m['final_eval']['accept_length']:.2f} / "
-                  f"{s['final_eval']['accept_length']:.2f} = {m['ratio_final_eval']:.2f}")
+        print(f"{n}: drafter steps per slice {[sum(c) for c in zip(*m['drafter_steps_per_slice'], strict=True)]}, "
+              f"{sum(m['drafter_train_s']):.1f} s; on the critical path, median {m['critical_s_median']} s per RL "
+              f"step; one drafter step {m['drafter_step_s']} s; / static accept: last step {m['ratio_last']:.2f}, "
+              f"second half {m['ratio_second_half']:.2f}, held-out (final greedy evaluation) "
+              f"{m.get('ratio_final_eval')}")
+    print("summary:", json.dumps(out.get("summary")))
     print(f"same rollouts: {out['same_rollouts']} (steps whose samples differ between runs: "
           f"{out['steps_with_other_samples'] or 'none'}); {args.out}")
 
