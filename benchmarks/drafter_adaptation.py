@@ -144,11 +144,12 @@ def main() -> None:
               + (f"  KL to start {kl:.4f}" if kl is not None else ""))
     for n in trained:
         m = out["modes"][n]
+        fmt = {k: "n/a" if m.get(k) is None else f"{m[k]:.3g}" for k in ("critical_s_median", "drafter_step_s",
+                                                                            "ratio_final_eval")}
         print(f"{n}: drafter steps per slice {[sum(c) for c in zip(*m['drafter_steps_per_slice'], strict=True)]}, "
-              f"{sum(m['drafter_train_s']):.1f} s; on the critical path, median {m['critical_s_median']} s per RL "
-              f"step; one drafter step {m['drafter_step_s']} s; / static accept: last step {m['ratio_last']:.2f}, "
-              f"second half {m['ratio_second_half']:.2f}, held-out (final greedy evaluation) "
-              f"{m.get('ratio_final_eval')}")
+              f"{sum(m['drafter_train_s']):.1f} s; on the critical path, median {fmt['critical_s_median']} s per RL "
+              f"step; one drafter step {fmt['drafter_step_s']} s; / static accept: last step {m['ratio_last']:.2f}, "
+              f"second half {m['ratio_second_half']:.2f}, held-out (final greedy evaluation) {fmt['ratio_final_eval']}")
     print("summary:", json.dumps(out.get("summary")))
     print(f"same rollouts: {out['same_rollouts']} (steps whose samples differ between runs: "
           f"{out['steps_with_other_samples'] or 'none'}); {args.out}")
